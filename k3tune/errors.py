@@ -1,0 +1,35 @@
+"""The project's own errors. The CLI turns each into a one-line message and a non-zero exit."""
+
+
+class K3TuneError(Exception):
+    """Base of every error a user can cause or fix; never a programming error."""
+
+    exit_code = 1
+
+
+class ConfigError(K3TuneError):
+    """A model config, sweep spec or option value is malformed or out of range."""
+
+    exit_code = 2
+
+
+class HardwareError(K3TuneError):
+    """Unknown hardware, or hardware needed but not present."""
+
+    exit_code = 3
+
+
+class DatabaseError(K3TuneError):
+    """The tuning database cannot be opened, read or written."""
+
+    exit_code = 4
+
+
+class SchemaError(DatabaseError):
+    """The database schema is older or newer than this k3tune understands."""
+
+
+class CannotImplement(K3TuneError):
+    """A kernel family cannot implement a problem or config (kept apart from real failures)."""
+
+    exit_code = 5

@@ -1,0 +1,68 @@
+"""Kernel registry: every family, which problems it implements, and the digests that key tuning results."""
+
+from __future__ import annotations
+
+import hashlib
+
+from k3tune.errors import ConfigError
+from k3tune.kernels.base import BACKENDS, KernelConfig, KernelFamily, Work, params_key
+from k3tune.kernels.cpu_double import CpuGemm
+from k3tune.kernels.gemm_cublas import CublasGemm
+from k3tune.kernels.gemm_smallm import SmallMGemm
+from k3tune.kernels.gemm_splitk_tc import SplitKTensorCoreGemm
+from k3tune.kernels.kda_decode import KdaFused, KdaTorch
+from k3tune.kernels.mla_decode import MlaSplitKv, MlaTorch
+from k3tune.kernels.moe_block import MoeOverlap, MoeStock
+from k3tune.plan.problems import OPS, Problem
+
+__all__ = ["FAMILIES", "KernelConfig", "KernelFamily", "Work", "family", "families_for", "op_digest", "params_key", "safe_default"]
+
+FAMILIES: dict[str, KernelFamily] = {
+    f.name: f
+    for f in [CublasGemm(), SmallMGemm(), SplitKTensorCoreGemm(), KdaTorch(), KdaFused(), MlaTorch(), MlaSplitKv(),
+              MoeStock(), MoeOverlap(), CpuGemm()]
+}
+
+
+def family(name: str) -> KernelFamily:
+    if name not in FAMILIES:
+        raise ConfigError(f"unknown kernel family '{name}' (known: {', '.join(FAMILIES)})")
+    return FAMILIES[name]
+
+
+def _check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ConfigError(f"unknown backend '{backend}' (known: {', '.join(BACKENDS)})")
+
+
+def families_for(problem: Problem, backend: str) -> list[KernelFamily]:
+    """Families that implement the problem and may run on the backend, safest first."""
+    _check_backend(backend)
+    found = [f for f in FAMILIES.values() if backend in f.backends and f.can_implement(problem)]
+    return sorted(found, key=lambda f: (f.priority, f.name))
+
+
+def op_digest(op: str, backend: str) -> str:
+    """Digest of every family that may serve the op on the backend: a change to any of them, or a family
+    added or removed, makes the op's tuned winners stale."""
+    _check_backend(backend)
+    kind = OPS[op].kind if op in OPS else op
+    parts = sorted(f"{f.name}:{f.digest}" for f in FAMILIES.values()
+                   if backend in f.backends and kind in f.kinds and (f.ops is None or op in f.ops))
+    try:
+        from importlib.metadata import version
+
+        dsl = version("nvidia-cutlass-dsl")
+    except Exception:  # not installed: recorded as such, and part of the key all the same
+        dsl = "none"
+    parts.append(f"cutlass-dsl:{dsl}" if backend == "gpu" else "")
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def safe_default(problem: Problem) -> tuple[KernelFamily, KernelConfig]:
+    """What serving runs without a tuned entry: the safest family that has real GPU code."""
+    for f in families_for(problem, "gpu"):
+        return f, f.default_config(problem)
+    for f in families_for(problem, "simulated"):  # blocks whose executor has not landed: still named
+        return f, f.default_config(problem)
+    raise ConfigError(f"no kernel family implements {problem.key}")

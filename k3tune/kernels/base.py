@@ -1,0 +1,142 @@
+"""What every kernel family declares: configs, a pruned search space, validity, a heuristic default, the work
+it does (for the simulated backend), inputs and a torch reference (for the measurer), and how to build it.
+
+Kernel families know nothing of databases or search.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import inspect
+import itertools
+import json
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any, ClassVar
+
+from k3tune.errors import CannotImplement
+from k3tune.plan.problems import Problem
+
+BACKENDS = ("gpu", "simulated", "cpu")
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Base of every family's frozen config; fields are the tunable knobs."""
+
+    def params(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def params_key(params: dict[str, Any]) -> str:
+    return json.dumps(params, sort_keys=True, separators=(",", ":"))
+
+
+@dataclass(frozen=True)
+class Work:
+    """What one launch of a config does, in the terms the roofline model needs."""
+
+    hbm_bytes: float  # bytes moved to and from HBM
+    flops: float
+    ctas: int  # CTAs in the grid
+    inflight_bytes_per_cta: float  # bytes a CTA keeps in flight (memory-level parallelism)
+    tensor_cores: bool = False
+    launches: int = 1  # kernel launches (a split-K reduction adds one)
+    sm_limit: int | None = None  # persistent or partitioned grids run on at most this many SMs
+    ctas_per_sm: int = 1
+    extra_us: float = 0.0  # fixed costs outside the roofline (atomics, dependent steps)
+
+
+class KernelFamily:
+    """One family per file. Subclasses set the class attributes and override what they support."""
+
+    name: ClassVar[str]
+    kinds: ClassVar[frozenset[str]]  # problem kinds it implements
+    ops: ClassVar[frozenset[str] | None] = None  # restrict to these ops (None: every op of its kinds)
+    config_cls: ClassVar[type[KernelConfig]]
+    backends: ClassVar[frozenset[str]]  # which measurement backends may run it
+    priority: ClassVar[int] = 50  # statistical ties go to the lower number (simpler, safer kernels)
+    declared_only: ClassVar[bool] = False  # space declared for simulation; GPU code not landed yet
+
+    # ---- the search space -------------------------------------------------------------------
+    def space(self, problem: Problem) -> dict[str, tuple]:
+        """Choices per config field, pruned against the problem."""
+        return {}
+
+    def valid(self, cfg: KernelConfig, problem: Problem) -> bool:
+        """Whether a combination of choices is legal for the problem."""
+        return True
+
+    def can_implement(self, problem: Problem) -> bool:
+        return problem.kind in self.kinds and (self.ops is None or problem.op in self.ops)
+
+    def default(self, problem: Problem) -> KernelConfig:
+        """Heuristic default used when the database has no entry."""
+        return self.config_cls()
+
+    def default_config(self, problem: Problem) -> KernelConfig:
+        """The heuristic default, checked against the declared space; the first valid config otherwise."""
+        cfg = self.default(problem)
+        try:
+            return self.config_from_params(problem, cfg.params())
+        except CannotImplement:
+            for c in self.configs(problem):
+                return c
+            raise CannotImplement(f"{self.name} has no valid config for {problem.key}") from None
+
+    def configs(self, problem: Problem) -> Iterator[KernelConfig]:
+        space = self.space(problem)
+        names = list(space)
+        for values in itertools.product(*(space[n] for n in names)):
+            cfg = self.config_cls(**dict(zip(names, values)))
+            if self.valid(cfg, problem):
+                yield cfg
+
+    def space_size(self, problem: Problem) -> int:
+        return math.prod(len(v) for v in self.space(problem).values()) if self.space(problem) else 1
+
+    def config_from_params(self, problem: Problem, params: dict[str, Any]) -> KernelConfig:
+        """Rebuild a config from stored params, refusing anything outside the declared space."""
+        if not self.can_implement(problem):
+            raise CannotImplement(f"{self.name} cannot implement {problem.key}")
+        space = self.space(problem)
+        if set(params) != set(space):
+            raise CannotImplement(f"{self.name}: params {sorted(params)} do not match the space {sorted(space)}")
+        for k, v in params.items():
+            if v not in space[k]:
+                raise CannotImplement(f"{self.name}: {k}={v!r} is outside the declared space {space[k]} for {problem.key}")
+        cfg = self.config_cls(**params)
+        if not self.valid(cfg, problem):
+            raise CannotImplement(f"{self.name}: {params_key(params)} is not valid for {problem.key}")
+        return cfg
+
+    # ---- what the measurement backends use ---------------------------------------------------
+    def work(self, problem: Problem, cfg: KernelConfig) -> Work:
+        raise NotImplementedError
+
+    def make_inputs(self, problem: Problem, device, generator) -> dict:
+        raise NotImplementedError
+
+    def weight_names(self, problem: Problem) -> tuple[str, ...]:
+        """Inputs that decode reads from HBM each step: rotated past L2 when timing."""
+        return ()
+
+    def reference(self, problem: Problem, inputs: dict):
+        """fp32 torch reference of the op."""
+        raise NotImplementedError
+
+    def build(self, problem: Problem, cfg: KernelConfig):
+        """A callable(inputs) -> output that launches on the current stream (capturable)."""
+        raise NotImplementedError
+
+    def tolerance(self, problem: Problem) -> float:
+        """Relative error bound (||out - ref|| / ||ref||) for bf16 outputs."""
+        return 2e-2
+
+    @cached_property
+    def digest(self) -> str:
+        src = inspect.getsource(inspect.getmodule(type(self)))
+        return hashlib.sha256(src.encode()).hexdigest()[:16]

@@ -1,0 +1,56 @@
+"""cuBLAS baseline for the dense decode projections: ``torch.matmul`` in bf16, as a stock engine runs it.
+
+It stays a variant of every dense op, so a tuned choice is never slower than the stock one. No knobs.
+Runs on any CUDA GPU and on the CPU (as the CPU backend's reference point).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from k3tune.kernels import gemm_common
+from k3tune.kernels.base import KernelConfig, KernelFamily, Work
+from k3tune.plan.problems import Problem
+
+
+@dataclass(frozen=True)
+class CublasConfig(KernelConfig):
+    pass
+
+
+class CublasGemm(KernelFamily):
+    name = "gemm.cublas"
+    kinds = frozenset({"gemm"})
+    config_cls = CublasConfig
+    backends = frozenset({"gpu", "simulated", "cpu"})
+    priority = 10  # the safe choice wins statistical ties
+
+    def work(self, problem: Problem, cfg: CublasConfig) -> Work:
+        m, n = problem["M"], problem["N"]
+        ctas = math.ceil(n / 128) * math.ceil(m / 64)
+        split = max(1, min(4, 66 // ctas))  # cuBLAS splits K when the grid is small
+        return Work(
+            hbm_bytes=gemm_common.gemm_bytes(problem) + (split - 1) * m * n * 8,
+            flops=gemm_common.gemm_flops(problem),
+            ctas=ctas * split,
+            inflight_bytes_per_cta=24 * 1024,
+            tensor_cores=True,
+            extra_us=1.0,
+        )
+
+    make_inputs = staticmethod(lambda problem, device, generator: gemm_common.make_inputs(problem, device, generator))
+
+    def weight_names(self, problem: Problem) -> tuple[str, ...]:
+        return ("w",)
+
+    def reference(self, problem: Problem, inputs: dict):
+        return gemm_common.reference(problem, inputs)
+
+    def build(self, problem: Problem, cfg: CublasConfig):
+        import torch
+
+        def run(inputs: dict):
+            return torch.matmul(inputs["x"], inputs["w"].t())
+
+        return run

@@ -1,0 +1,123 @@
+"""The model's shape, read from K3's published config or any HF ``config.json`` of the Kimi linear family.
+
+Reads K3's nested layout (``text_config`` holding a ``kimi_linear`` config) and flat ``kimi_linear`` configs.
+Only the fields the decode problems depend on are kept; a missing or mistyped one is a ConfigError.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from k3tune.errors import ConfigError
+from k3tune.shipped import configs_dir
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    hidden: int
+    num_layers: int
+    kda_layers: int
+    mla_layers: int
+    # KDA (linear attention)
+    kda_heads: int
+    kda_head_dim: int
+    kda_full_rank_gate: bool
+    # MLA
+    mla_heads: int
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_dim: int
+    qk_rope_dim: int
+    v_head_dim: int
+    mla_output_gate: bool
+    # MoE
+    num_experts: int
+    top_k: int
+    num_shared_experts: int
+    moe_intermediate: int
+    latent: int  # routed experts run in this width (0: no latent space)
+    expert_weight_format: str  # "mxfp4" or "bf16"
+
+    @property
+    def shared_intermediate(self) -> int:
+        # K3's shared experts together are one MLP of num_shared * moe_intermediate
+        return self.num_shared_experts * self.moe_intermediate
+
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _get(cfg: dict, key: str, typ: type, source: str):
+    if key not in cfg:
+        raise ConfigError(f"{source}: missing field '{key}'")
+    val = cfg[key]
+    if typ is int and (isinstance(val, bool) or not isinstance(val, int)):
+        raise ConfigError(f"{source}: field '{key}' must be an integer, got {val!r}")
+    if typ is bool and not isinstance(val, bool):
+        raise ConfigError(f"{source}: field '{key}' must be true/false, got {val!r}")
+    if typ is int and val <= 0:
+        raise ConfigError(f"{source}: field '{key}' must be positive, got {val}")
+    return val
+
+
+def from_dict(raw: dict, source: str = "config") -> ModelConfig:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: expected a JSON object")
+    name = raw.get("model_type", "unknown")
+    cfg = raw.get("text_config", raw)
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{source}: 'text_config' must be an object")
+    if cfg.get("model_type") not in {"kimi_linear", "kimi_k3"}:
+        raise ConfigError(f"{source}: unsupported model_type {cfg.get('model_type')!r} (expected kimi_linear)")
+    lin = cfg.get("linear_attn_config")
+    if not isinstance(lin, dict):
+        raise ConfigError(f"{source}: missing object 'linear_attn_config'")
+    layers = _get(cfg, "num_hidden_layers", int, source)
+    kda = lin.get("kda_layers", [])
+    full = lin.get("full_attn_layers", [])
+    if not isinstance(kda, list) or not isinstance(full, list):
+        raise ConfigError(f"{source}: kda_layers and full_attn_layers must be lists")
+    if len(kda) + len(full) != layers:
+        raise ConfigError(f"{source}: {len(kda)} KDA + {len(full)} MLA layers != num_hidden_layers {layers}")
+    quant = cfg.get("quantization_config") or {}
+    fmt = "mxfp4" if "mxfp4" in json.dumps(quant) else "bf16"
+    hidden = _get(cfg, "hidden_size", int, source)
+    return ModelConfig(
+        name=str(name),
+        hidden=hidden,
+        num_layers=layers,
+        kda_layers=len(kda),
+        mla_layers=len(full),
+        kda_heads=_get(lin, "num_heads", int, source),
+        kda_head_dim=_get(lin, "head_dim", int, source),
+        kda_full_rank_gate=bool(lin.get("use_full_rank_gate", False)),
+        mla_heads=_get(cfg, "num_attention_heads", int, source),
+        q_lora_rank=_get(cfg, "q_lora_rank", int, source),
+        kv_lora_rank=_get(cfg, "kv_lora_rank", int, source),
+        qk_nope_dim=_get(cfg, "qk_nope_head_dim", int, source),
+        qk_rope_dim=_get(cfg, "qk_rope_head_dim", int, source),
+        v_head_dim=_get(cfg, "v_head_dim", int, source),
+        mla_output_gate=bool(cfg.get("mla_use_output_gate", False)),
+        num_experts=_get(cfg, "num_experts", int, source),
+        top_k=_get(cfg, "num_experts_per_token", int, source),
+        num_shared_experts=_get(cfg, "num_shared_experts", int, source),
+        moe_intermediate=_get(cfg, "moe_intermediate_size", int, source),
+        latent=int(cfg.get("routed_expert_hidden_size", hidden)),
+        expert_weight_format=fmt,
+    )
+
+
+def load(path: str | Path | None = None) -> ModelConfig:
+    """Load a config.json; None means K3's published config shipped in configs/."""
+    p = Path(path) if path else configs_dir() / "kimi_k3_config.json"
+    try:
+        raw = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"model config not found: {p}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{p}: not valid JSON ({e})") from None
+    return from_dict(raw, str(p))

@@ -1,0 +1,169 @@
+"""Sweep specs: the deployment matrix to tune and how hard to search, read from TOML.
+
+A spec names tp, decode batch, DCP, draft length and context buckets; the token buckets at which dense and MoE
+problems are tuned (tokens per step M = batch x (1 + draft) rounds up to one); and the search budget.
+Every value is validated here so that a bad spec fails before any work starts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import tomllib
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from k3tune.errors import ConfigError
+from k3tune.shipped import configs_dir
+
+MAX_BATCH = 64
+MAX_DRAFT = 7
+
+
+@dataclass(frozen=True)
+class SearchSettings:
+    budget: int = 24  # trials per problem; spaces no larger are searched exhaustively
+    patience: int = 10  # stop a problem after this many trials without a 1% gain
+    remeasure_top: int = 3  # the best few are measured again before a winner is chosen
+    samples: int = 15  # timing samples per trial
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class SweepSpec:
+    name: str
+    tp: tuple[int, ...]
+    batch: tuple[int, ...]
+    dcp: tuple[int, ...]
+    draft: tuple[int, ...]
+    context: tuple[int, ...]
+    token_buckets: tuple[int, ...]
+    batch_buckets: tuple[int, ...]
+    query_buckets: tuple[int, ...]
+    ops: tuple[str, ...] | None  # None: every op of the decode layer
+    routing: str
+    search: SearchSettings
+    model_config: str | None
+
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _ints(section: dict, key: str, where: str, default=None) -> tuple[int, ...]:
+    val = section.get(key, default)
+    if val is None:
+        raise ConfigError(f"{where}: missing '{key}'")
+    if isinstance(val, dict):  # {min = 1, max = 64}
+        try:
+            lo, hi = int(val["min"]), int(val["max"])
+        except (KeyError, TypeError, ValueError):
+            raise ConfigError(f"{where}: '{key}' range needs integer 'min' and 'max'") from None
+        val = list(range(lo, hi + 1))
+    if isinstance(val, int) and not isinstance(val, bool):
+        val = [val]
+    if not isinstance(val, list) or not val or not all(isinstance(v, int) and not isinstance(v, bool) for v in val):
+        raise ConfigError(f"{where}: '{key}' must be a non-empty list of integers or {{min, max}}")
+    return tuple(sorted(set(val)))
+
+
+def validate_deployment_values(tp: int, batch: int, dcp: int, draft: int) -> None:
+    """The checks shared by sweep specs and runtime lookups."""
+    if not 1 <= batch <= MAX_BATCH:
+        raise ConfigError(f"batch {batch} out of range: decode batch must be 1..{MAX_BATCH}")
+    if not 0 <= draft <= MAX_DRAFT:
+        raise ConfigError(f"draft length {draft} out of range: must be 0..{MAX_DRAFT}")
+    if tp < 1:
+        raise ConfigError(f"tp {tp} must be positive")
+    if dcp < 1 or dcp > tp or tp % dcp:
+        raise ConfigError(f"dcp {dcp} invalid for tp {tp}: dcp must divide tp and be <= tp")
+
+
+def from_dict(raw: dict, name: str = "spec") -> SweepSpec:
+    where = name
+    m = raw.get("matrix")
+    if not isinstance(m, dict):
+        raise ConfigError(f"{where}: missing [matrix] table")
+    b = raw.get("buckets", {})
+    s = raw.get("search", {})
+    if not isinstance(b, dict) or not isinstance(s, dict):
+        raise ConfigError(f"{where}: [buckets] and [search] must be tables")
+    tp = _ints(m, "tp", where)
+    batch = _ints(m, "batch", where)
+    dcp = _ints(m, "dcp", where, [1])
+    draft = _ints(m, "draft", where, [0])
+    context = _ints(m, "context", where, [32768])
+    for t in tp:
+        for d in dcp:
+            if d <= t:
+                validate_deployment_values(t, batch[0], d, draft[0])
+    for v in batch:
+        validate_deployment_values(tp[0], v, 1, draft[0])
+    for v in draft:
+        validate_deployment_values(tp[0], batch[0], 1, v)
+    if any(c < 1 for c in context):
+        raise ConfigError(f"{where}: context lengths must be positive")
+    tokens = _ints(b, "tokens", where, [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512])
+    bb = _ints(b, "batch", where, [1, 2, 4, 8, 16, 32, 64])
+    qb = _ints(b, "query_len", where, [1, 2, 4, 8])
+    need_m = max(batch) * (1 + max(draft))
+    if max(tokens) < need_m:
+        raise ConfigError(f"{where}: token buckets end at {max(tokens)} but the matrix reaches M = {need_m}")
+    if max(bb) < max(batch):
+        raise ConfigError(f"{where}: batch buckets end at {max(bb)} but the matrix reaches batch {max(batch)}")
+    if max(qb) < 1 + max(draft):
+        raise ConfigError(f"{where}: query_len buckets end at {max(qb)} but draft {max(draft)} needs {1 + max(draft)}")
+    known = {f.name for f in SearchSettings.__dataclass_fields__.values()}
+    unknown = set(s) - known
+    if unknown:
+        raise ConfigError(f"{where}: unknown [search] keys {sorted(unknown)}")
+    try:
+        search = SearchSettings(**{k: int(v) for k, v in s.items()})
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where}: [search] values must be integers") from None
+    if search.budget < 1 or search.samples < 3 or search.patience < 1 or search.remeasure_top < 1:
+        raise ConfigError(f"{where}: [search] needs budget >= 1, samples >= 3, patience >= 1, remeasure_top >= 1")
+    ops = m.get("ops")
+    if ops is not None and (not isinstance(ops, list) or not all(isinstance(o, str) for o in ops)):
+        raise ConfigError(f"{where}: 'ops' must be a list of op names")
+    routing = str(m.get("routing", "uniform"))
+    model_cfg = raw.get("model", {}).get("config") if isinstance(raw.get("model"), dict) else None
+    return SweepSpec(
+        name=str(raw.get("name", name)),
+        tp=tp,
+        batch=batch,
+        dcp=dcp,
+        draft=draft,
+        context=context,
+        token_buckets=tokens,
+        batch_buckets=bb,
+        query_buckets=qb,
+        ops=tuple(ops) if ops is not None else None,
+        routing=routing,
+        search=search,
+        model_config=model_cfg,
+    )
+
+
+def load(path: str | Path | None = None) -> SweepSpec:
+    """Load a sweep spec; None means configs/sweep_default.toml, a bare name one of configs/sweep_NAME.toml."""
+    if path is None:
+        p = configs_dir() / "sweep_default.toml"
+    else:
+        p = Path(path)
+        if not p.exists() and not p.suffix and (configs_dir() / f"sweep_{path}.toml").exists():
+            p = configs_dir() / f"sweep_{path}.toml"
+    try:
+        raw = tomllib.loads(p.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"sweep spec not found: {p}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{p}: malformed TOML ({e})") from None
+    return from_dict(raw, p.stem)
+
+
+def bucket(value: int, buckets: tuple[int, ...]) -> int:
+    """The smallest bucket at or above value."""
+    for b in buckets:
+        if b >= value:
+            return b
+    raise ConfigError(f"{value} is above the largest bucket {buckets[-1]}")

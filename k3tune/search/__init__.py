@@ -1,0 +1,1 @@
+"""Search: the sweep driver, optuna samplers, the worker pool and the measurement backends."""

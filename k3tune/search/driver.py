@@ -1,0 +1,235 @@
+"""The sweep driver: plan -> claim problems -> search each over the worker pool -> store trials and winners.
+
+The parent process owns the searches and the database; workers only measure. Every finished trial is
+committed at once, so ``kill -9`` of the sweep loses only the trials in flight, and running it again resumes
+from the stored trials without measuring anything twice. Problems are claimed through the database, so
+several machines can share one sweep (PostgreSQL) without overlap; a dead owner's claims are taken over.
+"""
+
+from __future__ import annotations
+
+import math
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from k3tune.errors import ConfigError, HardwareError
+from k3tune.kernels import FAMILIES, families_for, op_digest
+from k3tune.plan import hardware, problems as plans
+from k3tune.plan.hardware import Fingerprint, HardwareSpec
+from k3tune.plan.model import ModelConfig
+from k3tune.plan.spec import SweepSpec
+from k3tune.search.outcome import Task
+from k3tune.search.strategy import Candidate, ProblemSearch
+from k3tune.search.workers import WorkerPool
+from k3tune.store import records
+from k3tune.store.db import Database
+from k3tune.store.models import Backend, TrialStatus
+
+BACKEND_LABEL = {"gpu": Backend.measured, "simulated": Backend.simulated, "cpu": Backend.cpu}
+
+
+@dataclass
+class SweepOptions:
+    spec: SweepSpec
+    model: ModelConfig
+    db: Database
+    backend: str  # gpu | simulated | cpu
+    workers: int
+    hw: HardwareSpec | None = None  # simulated: the modelled hardware
+    trial_timeout_s: float = 120.0
+    lease_s: float = 300.0
+    wait_for_others: bool = True
+    command: str = "k3tune sweep"
+    progress: Callable[[SweepStats], None] | None = None
+
+
+@dataclass
+class SweepStats:
+    problems_total: int = 0
+    problems_done_before: int = 0
+    problems_done: int = 0
+    trials: int = 0
+    failed: int = 0
+    reused: int = 0
+    workers_replaced: int = 0
+    no_winner: list[str] = field(default_factory=list)
+    skipped_ops: dict[str, str] = field(default_factory=dict)
+    best_speedup: float | None = None  # best winner-vs-default ratio so far
+    last: str = ""
+    seconds: float = 0.0
+    run_id: int = 0
+
+
+def fingerprint_for(backend: str, hw: HardwareSpec | None) -> Fingerprint:
+    if backend == "simulated":
+        if hw is None:
+            raise HardwareError("the simulated backend needs a hardware spec")
+        return hardware.simulated_fingerprint(hw)
+    if backend == "cpu":
+        return Fingerprint(f"CPU {platform.machine()}", "cpu", 0, 0, "none", "none", False)
+    found = hardware.detect()
+    if found is None:
+        raise HardwareError("no CUDA GPU found: run on a GPU node, or use --simulate gb300")
+    return found[0]
+
+
+def _neighbour_distance(a: plans.Problem, b: plans.Problem) -> float:
+    return sum(abs(math.log(max(1, x[1])) - math.log(max(1, y[1]))) for x, y in zip(a.dims, b.dims)
+               if isinstance(x[1], int) and isinstance(y[1], int)) + sum(1 for x, y in zip(a.dims, b.dims) if x != y and not isinstance(x[1], int))
+
+
+def run_sweep(opt: SweepOptions) -> SweepStats:
+    t_start = time.monotonic()
+    plan = plans.build(opt.spec, opt.model)
+    fp = fingerprint_for(opt.backend, opt.hw)
+    label = BACKEND_LABEL[opt.backend]
+    stats = SweepStats()
+    tunable: list[plans.Problem] = []
+    for p in plan.problems:
+        if families_for(p, opt.backend):
+            tunable.append(p)
+        else:
+            stats.skipped_ops[p.op] = f"no kernel family of {p.op} runs on the {opt.backend} backend yet"
+    if not tunable:
+        raise ConfigError(f"nothing to tune on the {opt.backend} backend for spec {opt.spec.name}")
+    digests = {op: op_digest(op, opt.backend) for op in {p.op for p in tunable}}
+    fam_digests = {f.name: f.digest for f in FAMILIES.values()}
+
+    with opt.db.session() as s:
+        hw_id = records.hardware_id(s, fp)
+        sw_id = records.software_id(s, records.software_versions())
+        pids = records.problem_ids(s, tunable)
+        run = records.start_run(s, command=opt.command, backend=label, hw_id=hw_id, sw_id=sw_id,
+                                spec_digest=opt.spec.digest())
+        run_id, owner = run.id, run.owner
+    wanted = {pids[p]: digests[p.op] for p in tunable}
+    by_id = {pids[p]: p for p in tunable}
+    with opt.db.session() as s:
+        records.plan_claims(s, hw_id, label, wanted)
+        records.release_dead_local_claims(s, hw_id, label)
+        stats.problems_total = len(wanted)
+        stats.problems_done_before = len(wanted) - records.remaining(s, hw_id, label, wanted)
+        won = s.execute(records.select(records.Winner.problem_id, records.Winner.family, records.Winner.params)
+                        .where(records.Winner.hardware_id == hw_id, records.Winner.backend == label)).all()
+    stats.run_id = run_id
+    neighbours: dict[str, list[tuple[plans.Problem, str, dict]]] = {}
+    for pid, fam, params in won:
+        if pid in by_id:
+            neighbours.setdefault(by_id[pid].op, []).append((by_id[pid], fam, params))
+
+    active: dict[int, ProblemSearch] = {}
+    task_of: dict[int, tuple[int, Candidate]] = {}
+    next_task = 0
+    status = "failed"
+    backend_spec = ("simulated", opt.hw.key, opt.spec.search.seed) if opt.backend == "simulated" else (opt.backend,)
+    target_active = max(4, 2 * opt.workers)
+    last_renew = time.monotonic()
+    nothing_claimable_since: float | None = None
+
+    def report(msg: str = "") -> None:
+        stats.last = msg or stats.last
+        stats.seconds = time.monotonic() - t_start
+        if opt.progress:
+            opt.progress(stats)
+
+    def open_search(pid: int) -> ProblemSearch:
+        p = by_id[pid]
+        fams = families_for(p, opt.backend)
+        with opt.db.session() as s:
+            stored = records.stored_trials(s, hw_id, pid, {f.name: fam_digests[f.name] for f in fams})
+        near = sorted(neighbours.get(p.op, []), key=lambda n: _neighbour_distance(n[0], p))[:2]
+        stats.reused += len(stored)
+        return ProblemSearch(p, fams, opt.spec.search, seed=opt.spec.search.seed + pid, stored=stored,
+                             warm=[(f, prm) for _, f, prm in near])
+
+    def finish(pid: int, search: ProblemSearch) -> None:
+        d = search.decision
+        p = by_id[pid]
+        with opt.db.session() as s:
+            if d.family:
+                records.save_winner(s, hardware_id=hw_id, problem_id=pid, op_digest=digests[p.op], backend=label,
+                                    family=d.family, family_digest=fam_digests[d.family], params=d.params,
+                                    median_us=d.median_us, spread_us=d.spread_us, default_us=d.default_us,
+                                    ties=d.ties, trials=d.trials, run_id=run_id, origin="")
+            records.finish_claim(s, hw_id, label, pid, digests[p.op])
+        if not d.family:
+            stats.no_winner.append(p.key)
+        elif d.default_us:
+            sp = d.default_us / d.median_us
+            stats.best_speedup = max(stats.best_speedup or 0.0, sp)
+        neighbours.setdefault(p.op, []).append((p, d.family, d.params))
+        stats.problems_done += 1
+        report(f"{p.key}: {d.family or 'no correct candidate'} {d.median_us:.2f} us")
+
+    try:
+        with WorkerPool(opt.workers, backend_spec, opt.trial_timeout_s, pin_gpus=opt.backend == "gpu") as pool:
+            while True:
+                if len(active) < target_active:
+                    with opt.db.session() as s:
+                        got = records.claim(s, hw_id, label, owner, wanted, target_active - len(active), opt.lease_s)
+                    for pid in got:
+                        active[pid] = open_search(pid)
+                        if active[pid].finished:
+                            finish(pid, active.pop(pid))
+                if not active:
+                    with opt.db.session() as s:
+                        left = records.remaining(s, hw_id, label, wanted)
+                    if left == 0 or not opt.wait_for_others:
+                        break
+                    nothing_claimable_since = nothing_claimable_since or time.monotonic()
+                    report(f"waiting: {left} problems claimed by other sweeps")
+                    time.sleep(min(5.0, opt.lease_s / 4))
+                    continue
+                nothing_claimable_since = None
+                idle = pool.idle()
+                if idle:
+                    for pid, search in list(active.items()):
+                        while idle:
+                            cand = search.next()
+                            if cand is None:
+                                break
+                            next_task += 1
+                            task_of[next_task] = (pid, cand)
+                            pool.submit(idle.pop(), Task(next_task, by_id[pid], cand.family, cand.params, cand.round,
+                                                         search.samples_for(cand)))
+                        if search.finished:
+                            finish(pid, active.pop(pid))
+                        if not idle:
+                            break
+                results = pool.poll(timeout=0.5)
+                stats.workers_replaced = pool.replaced
+                batch: list[records.TrialRecord] = []
+                for task, outcome in results:
+                    pid, cand = task_of.pop(task.task_id)
+                    batch.append(records.TrialRecord(
+                        problem_id=pid, family=cand.family, family_digest=fam_digests[cand.family],
+                        params=cand.params, params_key=cand.key, round=cand.round, status=TrialStatus(outcome.status),
+                        median_us=outcome.median_us, spread_us=outcome.spread_us, samples=outcome.samples,
+                        compile_s=outcome.compile_s, error=outcome.error,
+                        routing=str(by_id[pid].get("routing")) if by_id[pid].get("routing") else None))
+                    stats.trials += 1
+                    stats.failed += outcome.status != "ok"
+                if batch:
+                    with opt.db.session() as s:
+                        records.record_trials(s, run_id, hw_id, label, batch)
+                    for (task, outcome), rec in zip(results, batch):
+                        active[rec.problem_id].tell(Candidate(rec.family, rec.params, rec.params_key, rec.round),
+                                                    outcome.status, outcome.median_us, outcome.spread_us)
+                    report()
+                if time.monotonic() - last_renew > opt.lease_s / 3:
+                    with opt.db.session() as s:
+                        records.renew_claims(s, owner, opt.lease_s)
+                    last_renew = time.monotonic()
+        status = "done"
+    finally:
+        try:
+            with opt.db.session() as s:
+                if status != "done":
+                    records.release_claims(s, owner)
+                records.end_run(s, run_id, status)
+        except Exception:  # the database itself may be what failed; the original error matters more
+            pass
+    report("done")
+    return stats

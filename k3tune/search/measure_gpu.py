@@ -1,0 +1,125 @@
+"""The GPU measurer: correctness first, then timing under decode conditions.
+
+For each candidate:
+1. build it (compile time recorded apart);
+2. run it once on fresh random inputs with its output poisoned (NaN) and compare with the fp32 torch
+   reference: a result over the family's bound is ``wrong_result`` and is not timed;
+3. capture a CUDA graph of many launches that cycle through enough copies of the weights to exceed L2
+   (decode reads weights from HBM), warm up, then time ``samples`` replays with CUDA events; the per-launch
+   median and interquartile range are recorded.
+A CUDA error poisons the context: the outcome says so and the worker is replaced.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+
+from k3tune.errors import CannotImplement
+from k3tune.kernels import family as get_family
+from k3tune.search.outcome import Outcome, Task, relative_error, summarize
+
+ROTATE_L2_FACTOR = 3  # weight copies span at least this many L2 capacities
+MAX_ROTATION_BYTES = 8 << 30
+MIN_LAUNCHES = 20  # per graph: amortises the replay's own launch cost
+WARMUP_REPLAYS = 3
+
+
+def _l2_bytes() -> int:
+    import torch
+
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return int(getattr(props, "L2_cache_size", 50 << 20))
+
+
+def rotation_sets(fam, problem, inputs: dict, generator) -> list[dict]:
+    """Copies of the inputs with distinct weights, enough that their bytes exceed L2 several times."""
+    names = fam.weight_names(problem)
+    wbytes = sum(inputs[n].numel() * inputs[n].element_size() for n in names)
+    if not names or wbytes == 0:
+        return [inputs]
+    n = max(1, math.ceil(ROTATE_L2_FACTOR * _l2_bytes() / wbytes))
+    n = min(n, max(1, MAX_ROTATION_BYTES // wbytes), 256)
+    sets = [inputs]
+    for _ in range(n - 1):
+        fresh = fam.make_inputs(problem, inputs[names[0]].device, generator)
+        sets.append({**inputs, **{k: fresh[k] for k in names}})
+    return sets
+
+
+class GpuBackend:
+    kind = "gpu"
+
+    def __init__(self):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise RuntimeError("GpuBackend needs a CUDA GPU")
+        torch.cuda.init()
+        self.device = torch.device("cuda", torch.cuda.current_device())
+
+    def measure(self, task: Task) -> Outcome:
+        import torch
+
+        fam = get_family(task.family)
+        try:
+            cfg = fam.config_from_params(task.problem, task.params)
+        except CannotImplement as e:
+            return Outcome("invalid", error=str(e))
+        t0 = time.perf_counter()
+        try:
+            run = fam.build(task.problem, cfg)
+        except CannotImplement as e:
+            return Outcome("invalid", error=str(e))
+        except Exception as e:  # DSL/MLIR compile errors have no common base class
+            return Outcome("compile_failed", error=f"{type(e).__name__}: {str(e)[:500]}")
+        compile_s = time.perf_counter() - t0
+        try:
+            return self._check_and_time(fam, task, run, compile_s)
+        except torch.cuda.OutOfMemoryError as e:
+            torch.cuda.empty_cache()
+            return Outcome("runtime_failed", error=f"out of memory: {str(e)[:300]}", compile_s=compile_s)
+        except (RuntimeError, torch.AcceleratorError if hasattr(torch, "AcceleratorError") else RuntimeError) as e:
+            return Outcome("runtime_failed", error=str(e)[:500], compile_s=compile_s, poisoned=True)
+
+    def _check_and_time(self, fam, task: Task, run, compile_s: float) -> Outcome:
+        import torch
+
+        gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+        inputs = fam.make_inputs(task.problem, self.device, gen)
+        if "out" in inputs:
+            inputs["out"].fill_(float("nan"))
+        out = run(inputs)
+        torch.cuda.synchronize()
+        err = relative_error(out, fam.reference(task.problem, inputs))
+        tol = fam.tolerance(task.problem)
+        if not err <= tol:
+            return Outcome("wrong_result", error=f"relative error {err:.3g} > {tol:.3g}", compile_s=compile_s)
+
+        sets = rotation_sets(fam, task.problem, inputs, gen)
+        launches = max(MIN_LAUNCHES, len(sets))
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm the allocator and any lazy init outside the capture
+            for s in sets[:2]:
+                run(s)
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for i in range(launches):
+                run(sets[i % len(sets)])
+        for _ in range(WARMUP_REPLAYS):
+            graph.replay()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(task.samples):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            graph.replay()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) * 1000.0 / launches)
+        del graph
+        return summarize(times, compile_s=compile_s)

@@ -1,0 +1,220 @@
+"""The search over one problem's space: optuna's TPE (seeded) over the families and their knobs, or every
+valid config when the space fits the budget; then the best few are measured again and the winner chosen
+with noise in mind.
+
+Every family's heuristic default is tried first (so the safe baseline is always measured), then configs
+that won on neighbouring problems (warm start). Results already in the database are fed back in, never
+measured twice. Early stopping: no 1% gain over ``patience`` measured trials.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import optuna
+from optuna.distributions import CategoricalDistribution
+from optuna.trial import TrialState, create_trial
+
+from k3tune.errors import CannotImplement
+from k3tune.kernels import KernelConfig, KernelFamily, params_key
+from k3tune.plan.problems import Problem
+from k3tune.plan.spec import SearchSettings
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+GAIN = 0.01  # an improvement smaller than this does not reset early stopping
+REMEASURE_SAMPLE_FACTOR = 2
+
+
+@dataclass(frozen=True)
+class Candidate:
+    family: str
+    params: dict
+    key: str  # params_key
+    round: int
+
+
+@dataclass
+class Result:
+    candidate: Candidate
+    status: str
+    median_us: float | None
+    spread_us: float | None
+
+
+@dataclass
+class Decision:
+    family: str
+    params: dict
+    median_us: float
+    spread_us: float
+    ties: list[dict]
+    default_us: float | None
+    trials: int
+
+
+def _flat(fam: KernelFamily, cfg: KernelConfig) -> dict:
+    return {"family": fam.name, **{f"{fam.name}:{k}": v for k, v in cfg.params().items()}}
+
+
+@dataclass
+class ProblemSearch:
+    problem: Problem
+    families: list[KernelFamily]
+    settings: SearchSettings
+    seed: int
+    warm: list[tuple[str, dict]] = field(default_factory=list)  # (family, params) that won nearby
+    stored: list = field(default_factory=list)  # stored Trial rows with current digests
+
+    def __post_init__(self):
+        self.fams = {f.name: f for f in self.families}
+        self.results: dict[tuple[str, str, int], Result] = {}
+        self.in_flight: set[tuple[str, str, int]] = set()
+        self.space = {f.name: f.space(self.problem) for f in self.families}
+        self.all_configs = [(f, c) for f in self.families for c in f.configs(self.problem)]
+        self.exhaustive = len(self.all_configs) <= self.settings.budget
+        self.queue: list[Candidate] = []
+        self.asks = 0
+        self.best = math.inf
+        self.since_gain = 0
+        self.phase = "search"
+        self.decision: Decision | None = None
+        self._pending: dict[tuple[str, str], optuna.trial.Trial] = {}
+        self.study = optuna.create_study(direction="minimize", sampler=optuna.samplers.TPESampler(
+            seed=self.seed, n_startup_trials=max(4, min(10, self.settings.budget // 3))))
+        self.dists = {"family": CategoricalDistribution([f.name for f in self.families])}
+        for f in self.families:
+            for k, choices in self.space[f.name].items():
+                self.dists[f"{f.name}:{k}"] = CategoricalDistribution(list(choices))
+        for t in self.stored:
+            self._absorb(Candidate(t.family, t.params, t.params_key, t.round), t.status.value, t.median_us, t.spread_us)
+        seeds = [(f, f.default_config(self.problem)) for f in self.families]
+        for fam_name, params in self.warm:
+            if fam_name in self.fams:
+                try:
+                    seeds.append((self.fams[fam_name], self.fams[fam_name].config_from_params(self.problem, params)))
+                except CannotImplement:
+                    pass  # a neighbour's winner may not fit this problem
+        order = seeds + (self.all_configs if self.exhaustive else [])
+        seen = set()
+        for f, c in order:
+            cand = Candidate(f.name, c.params(), params_key(c.params()), 0)
+            if (cand.family, cand.key) not in seen and f.valid(c, self.problem):
+                seen.add((cand.family, cand.key))
+                self.queue.append(cand)
+
+    # ---- bookkeeping --------------------------------------------------------------------------
+    @property
+    def measured(self) -> int:
+        return sum(1 for k in self.results if k[2] == 0)
+
+    def _absorb(self, cand: Candidate, status: str, median, spread) -> None:
+        key = (cand.family, cand.key, cand.round)
+        self.results[key] = Result(cand, status, median, spread)
+        if cand.round != 0:
+            return
+        flat = {"family": cand.family, **{f"{cand.family}:{k}": v for k, v in cand.params.items()}}
+        trial = self._pending.pop((cand.family, cand.key), None)
+        ok = status == "ok" and median is not None
+        if trial is not None:
+            self.study.tell(trial, median if ok else None, state=TrialState.COMPLETE if ok else TrialState.FAIL)
+        elif all(k in self.dists for k in flat) and all(v in self.dists[k].choices for k, v in flat.items()):
+            self.study.add_trial(create_trial(params=flat, distributions={k: self.dists[k] for k in flat},
+                                              value=median if ok else None,
+                                              state=TrialState.COMPLETE if ok else TrialState.FAIL))
+        if ok and median < self.best * (1 - GAIN):
+            self.best, self.since_gain = median, 0
+        else:
+            self.since_gain += 1
+
+    def _ask_tpe(self) -> Candidate | None:
+        while self.asks < 4 * self.settings.budget:
+            self.asks += 1
+            trial = self.study.ask()
+            fam = self.fams[trial.suggest_categorical("family", list(self.dists["family"].choices))]
+            params = {k: trial.suggest_categorical(f"{fam.name}:{k}", list(v)) for k, v in self.space[fam.name].items()}
+            cfg = fam.config_cls(**params)
+            key = params_key(params)
+            if not fam.valid(cfg, self.problem):
+                self.study.tell(trial, None, state=TrialState.FAIL)
+                continue
+            done = self.results.get((fam.name, key, 0))
+            if done is not None or (fam.name, key, 0) in self.in_flight:
+                ok = done is not None and done.status == "ok"
+                self.study.tell(trial, done.median_us if ok else None, state=TrialState.COMPLETE if ok else TrialState.FAIL)
+                continue
+            self._pending[(fam.name, key)] = trial
+            return Candidate(fam.name, params, key, 0)
+        return None
+
+    # ---- the driver's interface ---------------------------------------------------------------
+    def next(self) -> Candidate | None:
+        """The next candidate to measure, or None while waiting on results or when finished."""
+        if self.decision is not None:
+            return None
+        if self.phase == "search":
+            while self.queue:
+                cand = self.queue.pop(0)
+                if (cand.family, cand.key, 0) not in self.results:
+                    self.in_flight.add((cand.family, cand.key, 0))
+                    return cand
+            search_over = (self.measured >= self.settings.budget or self.since_gain >= self.settings.patience
+                           or self.exhaustive or len(self.results) >= len(self.all_configs))
+            if not search_over:
+                if self.in_flight:
+                    return None  # TPE learns from each result: one candidate at a time
+                cand = self._ask_tpe()
+                if cand is not None:
+                    self.in_flight.add((cand.family, cand.key, 0))
+                    return cand
+            if self.in_flight:
+                return None
+            self.phase = "remeasure"
+            self.queue = [Candidate(r.candidate.family, r.candidate.params, r.candidate.key, 1) for r in self._ranked()]
+        if self.phase == "remeasure":
+            while self.queue:
+                cand = self.queue.pop(0)
+                if (cand.family, cand.key, 1) not in self.results:
+                    self.in_flight.add((cand.family, cand.key, 1))
+                    return cand
+            if not self.in_flight:
+                self.decision = self._decide()
+        return None
+
+    def samples_for(self, cand: Candidate) -> int:
+        return self.settings.samples * (REMEASURE_SAMPLE_FACTOR if cand.round else 1)
+
+    def tell(self, cand: Candidate, status: str, median, spread) -> None:
+        self.in_flight.discard((cand.family, cand.key, cand.round))
+        self._absorb(cand, status, median, spread)
+
+    @property
+    def finished(self) -> bool:
+        return self.decision is not None
+
+    def _ranked(self) -> list[Result]:
+        ok = [r for k, r in self.results.items() if k[2] == 0 and r.status == "ok"]
+        return sorted(ok, key=lambda r: r.median_us)[: self.settings.remeasure_top]
+
+    def _decide(self) -> Decision | None:
+        final = [r for k, r in self.results.items() if k[2] == 1 and r.status == "ok"]
+        if not final:
+            return Decision("", {}, math.inf, 0.0, [], None, len(self.results))  # nothing ran correctly
+        best = min(final, key=lambda r: r.median_us)
+
+        def tied(r: Result) -> bool:
+            # overlapping interquartile ranges, or within half a percent: the order is noise
+            half = (best.spread_us + r.spread_us) / 2
+            return r.median_us - best.median_us <= max(half, 0.005 * best.median_us)
+
+        ties = sorted((r for r in final if tied(r)),
+                      key=lambda r: (self.fams[r.candidate.family].priority, r.candidate.family, r.candidate.key))
+        win = ties[0]
+        safe = self.families[0]
+        d = self.results.get((safe.name, params_key(safe.default_config(self.problem).params()), 1)) or \
+            self.results.get((safe.name, params_key(safe.default_config(self.problem).params()), 0))
+        return Decision(win.candidate.family, win.candidate.params, win.median_us, win.spread_us,
+                        [{"family": r.candidate.family, "params": r.candidate.params, "median_us": r.median_us}
+                         for r in ties[1:]],
+                        d.median_us if d and d.status == "ok" else None, len(self.results))

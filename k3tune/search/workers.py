@@ -1,0 +1,184 @@
+"""One measurement worker process per GPU, started with ``spawn`` and pinned with CUDA_VISIBLE_DEVICES.
+
+A candidate that crashes its worker, hangs past the trial timeout, or poisons the CUDA context costs one
+trial: the pool records the failure, starts a fresh worker on the same GPU, and the sweep goes on.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+
+from k3tune.search.outcome import Outcome, Task
+
+STARTUP_TIMEOUT_S = 300.0
+
+
+def make_backend(spec: tuple):
+    kind = spec[0]
+    if kind == "simulated":
+        from k3tune.plan.hardware import spec as hw_spec
+        from k3tune.search.simulate import SimulatedBackend
+
+        return SimulatedBackend(hw_spec(spec[1]), seed=spec[2])
+    if kind == "cpu":
+        from k3tune.search.measure_cpu import CpuBackend
+
+        return CpuBackend()
+    if kind == "gpu":
+        from k3tune.search.measure_gpu import GpuBackend
+
+        return GpuBackend()
+    raise ValueError(f"unknown backend {kind}")
+
+
+def worker_main(conn: Connection, backend_spec: tuple) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when workers stop
+    try:
+        backend = make_backend(backend_spec)
+    except Exception as e:  # report why the worker cannot serve, then exit
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+        return
+    conn.send(("ready", os.getpid()))
+    while True:
+        try:
+            task = conn.recv()
+        except EOFError:
+            return
+        if task is None:
+            return
+        outcome = backend.measure(task)
+        conn.send((task.task_id, outcome))
+        if outcome.poisoned:
+            return
+
+
+@dataclass
+class _Slot:
+    index: int
+    proc: mp.Process | None = None
+    conn: Connection | None = None
+    task: Task | None = None
+    deadline: float = 0.0
+    ready: bool = False
+    restarts: int = 0
+    started: float = field(default_factory=time.monotonic)
+
+
+class WorkerPool:
+    def __init__(self, n: int, backend_spec: tuple, trial_timeout_s: float, pin_gpus: bool):
+        self.backend_spec = backend_spec
+        self.timeout = trial_timeout_s
+        self.pin = pin_gpus
+        self.ctx = mp.get_context("spawn")
+        self.slots = [_Slot(i) for i in range(n)]
+        self.replaced = 0
+
+    def __enter__(self) -> WorkerPool:
+        for s in self.slots:
+            self._start(s)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _start(self, slot: _Slot) -> None:
+        parent, child = self.ctx.Pipe()
+        saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if self.pin:
+            visible = saved.split(",") if saved else None
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible[slot.index] if visible else str(slot.index)
+        try:
+            proc = self.ctx.Process(target=worker_main, args=(child, self.backend_spec), daemon=True,
+                                    name=f"k3tune-worker-{slot.index}")
+            proc.start()
+        finally:
+            if self.pin:
+                if saved is None:
+                    os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+                else:
+                    os.environ["CUDA_VISIBLE_DEVICES"] = saved
+        child.close()
+        slot.proc, slot.conn, slot.task, slot.ready = proc, parent, None, False
+        slot.started = time.monotonic()
+
+    def _kill(self, slot: _Slot) -> None:
+        if slot.proc is not None and slot.proc.is_alive():
+            slot.proc.kill()
+        if slot.proc is not None:
+            slot.proc.join(5)
+        if slot.conn is not None:
+            slot.conn.close()
+
+    def _replace(self, slot: _Slot) -> None:
+        self._kill(slot)
+        slot.restarts += 1
+        self.replaced += 1
+        self._start(slot)
+
+    def idle(self) -> list[int]:
+        return [s.index for s in self.slots if s.ready and s.task is None]
+
+    def busy(self) -> int:
+        return sum(1 for s in self.slots if s.task is not None)
+
+    def submit(self, index: int, task: Task) -> None:
+        slot = self.slots[index]
+        slot.task = task
+        slot.deadline = time.monotonic() + self.timeout
+        slot.conn.send(task)
+
+    def poll(self, timeout: float) -> list[tuple[Task, Outcome]]:
+        """Finished tasks, including those lost to a crashed or hung worker."""
+        done: list[tuple[Task, Outcome]] = []
+        conns = {s.conn: s for s in self.slots if s.conn is not None}
+        now = time.monotonic()
+        waits = [s.deadline - now for s in self.slots if s.task is not None]
+        for ready in wait(list(conns), timeout=max(0.0, min([timeout, *waits]))):
+            slot = conns[ready]
+            try:
+                msg = ready.recv()
+            except (EOFError, OSError):
+                code = slot.proc.exitcode if slot.proc else None
+                slot.proc.join(5)
+                code = slot.proc.exitcode
+                if slot.task is not None:
+                    why = f"worker died (signal {-code})" if code and code < 0 else f"worker exited with code {code}"
+                    done.append((slot.task, Outcome("runtime_failed", error=why)))
+                elif not slot.ready:
+                    raise RuntimeError(f"measurement worker {slot.index} died while starting (exit code {code})")
+                self._replace(slot)
+                continue
+            if msg[0] == "ready":
+                slot.ready = True
+            elif msg[0] == "error":
+                raise RuntimeError(f"measurement worker {slot.index} cannot start: {msg[1]}")
+            else:
+                task, slot.task = slot.task, None
+                done.append((task, msg[1]))
+                if msg[1].poisoned:
+                    self._replace(slot)
+        now = time.monotonic()
+        for slot in self.slots:
+            if slot.task is not None and now > slot.deadline:
+                done.append((slot.task, Outcome("timeout", error=f"no result within {self.timeout:.0f} s")))
+                self._replace(slot)
+            elif not slot.ready and now - slot.started > STARTUP_TIMEOUT_S:
+                raise RuntimeError(f"measurement worker {slot.index} did not start within {STARTUP_TIMEOUT_S:.0f} s")
+        return done
+
+    def close(self) -> None:
+        for s in self.slots:
+            try:
+                if s.conn is not None and s.proc is not None and s.proc.is_alive():
+                    s.conn.send(None)
+            except OSError:
+                pass
+        for s in self.slots:
+            if s.proc is not None:
+                s.proc.join(2)
+            self._kill(s)

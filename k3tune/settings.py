@@ -1,0 +1,32 @@
+"""Every setting read from the environment, in one typed place."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Settings:
+    db: str | None  # K3TUNE_DB: path or SQLAlchemy URL of the tuning database
+    debug: bool  # K3TUNE_DEBUG=1: full tracebacks from the CLI
+    hardware: str | None  # K3TUNE_HARDWARE: hardware name to assume when none is detected
+    ci: bool  # CI=true: tests that need PostgreSQL fail instead of skipping
+
+    @property
+    def default_db(self) -> str:
+        return self.db or str(Path.cwd() / "k3tune.sqlite")
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def load() -> Settings:
+    return Settings(
+        db=os.environ.get("K3TUNE_DB") or None,
+        debug=_flag("K3TUNE_DEBUG"),
+        hardware=os.environ.get("K3TUNE_HARDWARE") or None,
+        ci=_flag("CI"),
+    )

@@ -1,0 +1,222 @@
+"""Opening a tuning database: SQLite file or SQLAlchemy URL, schema checks, migrations, sessions.
+
+SQLite runs in WAL mode; writers take the lock up front (BEGIN IMMEDIATE) so that concurrent writers wait
+on the busy timeout instead of failing on a lock upgrade. Every SQLAlchemy error leaves as a DatabaseError.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import sqlite3
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import create_engine, event, inspect, text
+from sqlalchemy.engine import Engine
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.orm import Session, sessionmaker
+
+from k3tune.errors import DatabaseError, SchemaError
+
+MIGRATIONS = Path(__file__).resolve().parent / "migrations"
+SQLITE_MAGIC = b"SQLite format 3\x00"
+BUSY_TIMEOUT_S = 60
+
+
+def _alembic_config() -> Config:
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS))
+    return cfg
+
+
+def head_revision() -> str:
+    return ScriptDirectory.from_config(_alembic_config()).get_current_head()
+
+
+def known_revisions() -> list[str]:
+    return [s.revision for s in ScriptDirectory.from_config(_alembic_config()).walk_revisions()]
+
+
+def to_url(target: str | os.PathLike) -> tuple[str, Path | None]:
+    """A path becomes a SQLite URL; a URL stays as it is. Returns (url, sqlite path or None)."""
+    s = str(target)
+    if "://" in s:
+        if s.startswith("sqlite:///"):
+            return s, Path(s[len("sqlite:///"):])
+        return s, None
+    p = Path(s).expanduser().resolve()
+    return f"sqlite:///{p}", p
+
+
+def check_sqlite_file(path: Path) -> None:
+    """Refuse a file that is not a SQLite database before SQLAlchemy touches it."""
+    if not path.exists() or path.stat().st_size == 0:
+        return
+    with open(path, "rb") as f:
+        if f.read(16) != SQLITE_MAGIC:
+            raise DatabaseError(f"{path} is not a SQLite database")
+
+
+class Database:
+    """A tuning database: engine, schema state, sessions."""
+
+    def __init__(self, target: str | os.PathLike, *, create: bool = True, readonly: bool = False,
+                 check_schema: bool = True):
+        self.url, self.path = to_url(target)
+        self.readonly = readonly
+        if self.path is not None:
+            check_sqlite_file(self.path)
+            if not self.path.exists():
+                if readonly or not create:
+                    raise DatabaseError(f"database not found: {self.path}")
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.engine = self._make_engine()
+        self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+        if check_schema:
+            self.ensure_schema(create=create and not readonly)
+
+    @property
+    def is_sqlite(self) -> bool:
+        return self.engine.dialect.name == "sqlite"
+
+    def __repr__(self) -> str:
+        return f"Database({self.engine.url.render_as_string(hide_password=True)})"
+
+    def _make_engine(self) -> Engine:
+        try:
+            if self.path is None:
+                return create_engine(self.url, pool_pre_ping=True, pool_size=2, max_overflow=4)
+            url = self.url
+            if self.readonly:
+                url = f"sqlite:///file:{self.path}?mode=ro&uri=true"
+            engine = create_engine(url, connect_args={"timeout": BUSY_TIMEOUT_S, "check_same_thread": False})
+        except (SQLAlchemyError, ImportError) as e:
+            raise DatabaseError(f"cannot open database {self.url}: {e}") from None
+        readonly = self.readonly
+
+        @event.listens_for(engine, "connect")
+        def _on_connect(dbapi_conn, _record):
+            dbapi_conn.isolation_level = None  # transactions are begun below, explicitly
+            cur = dbapi_conn.cursor()
+            cur.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_S * 1000}")
+            if not readonly:
+                cur.execute("PRAGMA journal_mode=WAL")
+                cur.execute("PRAGMA synchronous=NORMAL")
+            cur.execute("PRAGMA foreign_keys=ON")
+            cur.close()
+
+        @event.listens_for(engine, "begin")
+        def _on_begin(conn):
+            conn.exec_driver_sql("BEGIN" if readonly else "BEGIN IMMEDIATE")
+
+        return engine
+
+    # ---- schema -------------------------------------------------------------------------------
+    def revision(self) -> str | None:
+        with self.engine.connect() as conn:
+            return MigrationContext.configure(conn).get_current_revision()
+
+    def ensure_schema(self, create: bool) -> None:
+        try:
+            rev = self.revision()
+            if rev is None:
+                tables = inspect(self.engine).get_table_names()
+                if tables:
+                    raise SchemaError(f"{self.url}: has tables {tables[:4]} but no k3tune schema version")
+                if not create:
+                    raise SchemaError(f"{self.url}: empty database (no k3tune schema)")
+                self.migrate()
+                return
+        except (SQLAlchemyError, sqlite3.DatabaseError) as e:
+            raise DatabaseError(f"cannot read database {self.url}: {_short(e)}") from None
+        head = head_revision()
+        if rev == head:
+            return
+        if rev in known_revisions():
+            raise SchemaError(f"database schema {rev} is older than {head}: run `k3tune db upgrade {self.path or self.url}`")
+        raise SchemaError(f"database schema {rev} is newer than this k3tune understands (head {head}): upgrade k3tune")
+
+    def migrate(self, revision: str = "head") -> None:
+        from alembic import command
+
+        cfg = _alembic_config()
+        try:
+            with self.engine.begin() as conn:
+                cfg.attributes["connection"] = conn
+                command.upgrade(cfg, revision)
+        except SQLAlchemyError as e:
+            raise DatabaseError(f"migration failed on {self.url}: {_short(e)}") from None
+
+    # ---- sessions -----------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def session(self) -> Iterator[Session]:
+        """Commits on success, rolls back on error; SQLAlchemy errors become DatabaseError."""
+        s = self._sessions()
+        try:
+            yield s
+            s.commit()
+        except SQLAlchemyError as e:
+            s.rollback()
+            raise DatabaseError(f"database error on {self.url}: {_short(e)}") from None
+        finally:
+            s.close()
+
+    def quick_check(self) -> list[str]:
+        """SQLite's integrity check ('ok' when sound); empty for other databases."""
+        if not self.is_sqlite:
+            return []
+        try:
+            with self.engine.connect() as conn:
+                return [r[0] for r in conn.execute(text("PRAGMA integrity_check"))]
+        except SQLAlchemyError as e:
+            return [_short(e)]
+
+    def dispose(self) -> None:
+        self.engine.dispose()
+
+
+def _short(e: Exception) -> str:
+    msg = str(getattr(e, "orig", None) or e).splitlines()[0]
+    return msg[:300]
+
+
+def open_db(target: str | os.PathLike, **kw) -> Database:
+    return Database(target, **kw)
+
+
+def upgrade(target: str | os.PathLike) -> tuple[str | None, str]:
+    """Migrate a database to the current schema. A SQLite file is upgraded on a copy that then replaces it
+    (the original kept as .bak), so a failed migration leaves it untouched."""
+    db = Database(target, create=False, check_schema=False)
+    before = db.revision()
+    if before is not None and before not in known_revisions():
+        raise SchemaError(f"database schema {before} is newer than this k3tune understands: upgrade k3tune")
+    if db.path is None:
+        db.migrate()
+        return before, db.revision()
+    db.dispose()
+    fd, tmp = tempfile.mkstemp(prefix=".k3tune-upgrade-", suffix=".sqlite", dir=db.path.parent)
+    os.close(fd)
+    try:
+        src = sqlite3.connect(db.path)
+        dst = sqlite3.connect(tmp)
+        with dst:
+            src.backup(dst)
+        src.close()
+        dst.close()
+        copy = Database(tmp, create=False, check_schema=False)
+        copy.migrate()
+        after = copy.revision()
+        copy.dispose()
+        shutil.copy2(db.path, str(db.path) + ".bak")
+        os.replace(tmp, db.path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return before, after

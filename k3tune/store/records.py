@@ -1,0 +1,237 @@
+"""Reading and writing sweep records: provenance rows, trials (idempotent), winners, and claims.
+
+Inserts of natural keys are ``ON CONFLICT DO NOTHING``: a resumed or concurrent sweep that re-sends a trial
+leaves one row, never two. Claims use ``FOR UPDATE SKIP LOCKED`` on PostgreSQL (SQLite serialises writers).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import subprocess
+from dataclasses import dataclass
+from datetime import timedelta
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+from sqlalchemy import and_, or_, select, update
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.orm import Session
+
+from k3tune.plan.hardware import Fingerprint
+from k3tune.plan.problems import Problem
+from k3tune.store.models import Backend, Claim, Hardware, ProblemRow, Run, Software, Trial, TrialStatus, Winner, utcnow
+
+
+def insert_ignore(session: Session, model, rows: list[dict], conflict: list[str] | None = None) -> None:
+    if not rows:
+        return
+    dialect = session.get_bind().dialect.name
+    ins = (postgresql.insert if dialect == "postgresql" else sqlite.insert)(model)
+    session.execute(ins.on_conflict_do_nothing(index_elements=conflict), rows)
+
+
+def _pkg_version(name: str) -> str:
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return "none"
+
+
+def git_revision() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=Path(__file__).parent,
+                             capture_output=True, text=True, timeout=5)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def software_versions() -> dict[str, str]:
+    from k3tune import __version__
+
+    return {"torch": _pkg_version("torch"), "cutlass_dsl": _pkg_version("nvidia-cutlass-dsl"),
+            "k3tune": __version__, "git_rev": git_revision()}
+
+
+def hardware_id(session: Session, fp: Fingerprint) -> int:
+    insert_ignore(session, Hardware, [dict(
+        digest=fp.digest, class_key=fp.class_key, name=fp.name, compute_capability=fp.compute_capability,
+        sm_count=fp.sm_count, memory_gib=fp.memory_gib, driver=fp.driver, cuda=fp.cuda, simulated=fp.simulated)],
+        ["digest"])
+    return session.scalar(select(Hardware.id).where(Hardware.digest == fp.digest))
+
+
+def software_id(session: Session, versions: dict[str, str]) -> int:
+    digest = hashlib.sha256(json.dumps(versions, sort_keys=True).encode()).hexdigest()[:16]
+    insert_ignore(session, Software, [dict(digest=digest, **versions)], ["digest"])
+    return session.scalar(select(Software.id).where(Software.digest == digest))
+
+
+def problem_ids(session: Session, problems: list[Problem]) -> dict[Problem, int]:
+    insert_ignore(session, ProblemRow, [dict(key=p.key, op=p.op, kind=p.kind, dims=dict(p.dims)) for p in problems],
+                  ["key"])
+    ids: dict[str, int] = {}
+    keys = [p.key for p in problems]
+    for i in range(0, len(keys), 500):
+        ids.update(dict(session.execute(select(ProblemRow.key, ProblemRow.id).where(ProblemRow.key.in_(keys[i:i + 500]))).tuples().all()))
+    return {p: ids[p.key] for p in problems}
+
+
+def problem_from_row(row: ProblemRow) -> Problem:
+    from k3tune.plan.problems import OPS
+
+    order = list(row.dims)
+    return Problem(row.op, row.kind if row.op not in OPS else OPS[row.op].kind, tuple((k, row.dims[k]) for k in order))
+
+
+def owner_tag(run_id: int) -> str:
+    return f"{socket.gethostname()}:{os.getpid()}:{run_id}"
+
+
+def start_run(session: Session, *, command: str, backend: Backend, hw_id: int, sw_id: int, spec_digest: str) -> Run:
+    run = Run(command=command, backend=backend, host=socket.gethostname(), owner="", spec_digest=spec_digest,
+              hardware_id=hw_id, software_id=sw_id, status="running")
+    session.add(run)
+    session.flush()
+    run.owner = owner_tag(run.id)
+    return run
+
+
+def end_run(session: Session, run_id: int, status: str) -> None:
+    session.execute(update(Run).where(Run.id == run_id).values(status=status, ended_at=utcnow()))
+
+
+@dataclass(frozen=True)
+class TrialRecord:
+    problem_id: int
+    family: str
+    family_digest: str
+    params: dict
+    params_key: str
+    round: int
+    status: TrialStatus
+    median_us: float | None = None
+    spread_us: float | None = None
+    samples: int = 0
+    compile_s: float | None = None
+    error: str | None = None
+    routing: str | None = None
+
+
+def record_trials(session: Session, run_id: int, hw_id: int, backend: Backend, records: list[TrialRecord]) -> None:
+    now = utcnow()
+    insert_ignore(session, Trial, [dict(
+        run_id=run_id, hardware_id=hw_id, problem_id=r.problem_id, family=r.family, family_digest=r.family_digest,
+        variant=r.family, params=r.params, params_key=r.params_key, round=r.round, status=r.status.value,
+        backend=backend.value, median_us=r.median_us, spread_us=r.spread_us, samples=r.samples,
+        compile_s=r.compile_s, error=(r.error or None) and r.error[:2000], routing=r.routing, created_at=now)
+        for r in records])
+
+
+def stored_trials(session: Session, hw_id: int, problem_id: int, digests: dict[str, str]) -> list[Trial]:
+    """Trials of the problem whose family digest is still current (the others are stale)."""
+    rows = session.scalars(select(Trial).where(Trial.hardware_id == hw_id, Trial.problem_id == problem_id))
+    return [t for t in rows if digests.get(t.family) == t.family_digest]
+
+
+def save_winner(session: Session, **values) -> None:
+    key = {k: values[k] for k in ("hardware_id", "problem_id", "op_digest", "backend")}
+    existing = session.scalar(select(Winner).where(*(getattr(Winner, k) == v for k, v in key.items())))
+    if existing is None:
+        session.add(Winner(**values))
+    else:
+        for k, v in values.items():
+            setattr(existing, k, v)
+
+
+# ---- claims ---------------------------------------------------------------------------------------
+def plan_claims(session: Session, hw_id: int, backend: Backend, wanted: dict[int, str]) -> None:
+    """Make sure every (problem, op digest) of a sweep has a claim row; done where a winner exists."""
+    insert_ignore(session, Claim, [dict(hardware_id=hw_id, problem_id=pid, op_digest=d, backend=backend.value,
+                                        state="pending") for pid, d in wanted.items()],
+                  ["hardware_id", "problem_id", "op_digest", "backend"])
+    won = set(session.execute(select(Winner.problem_id, Winner.op_digest).where(
+        Winner.hardware_id == hw_id, Winner.backend == backend)).tuples())
+    done = {pid: d for pid, d in wanted.items() if (pid, d) in won}
+    for digest, chunk in _by_digest(done):
+        session.execute(update(Claim).where(Claim.hardware_id == hw_id, Claim.backend == backend,
+                                            Claim.op_digest == digest, Claim.problem_id.in_(chunk))
+                        .values(state="done"))
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def release_dead_local_claims(session: Session, hw_id: int, backend: Backend) -> int:
+    """Claims held by processes of this host that no longer exist go back to pending at once."""
+    host = socket.gethostname()
+    rows = session.execute(select(Claim.id, Claim.owner).where(
+        Claim.hardware_id == hw_id, Claim.backend == backend, Claim.state == "claimed",
+        Claim.owner.like(f"{host}:%"))).all()
+    dead = [cid for cid, owner in rows if not _pid_alive(int(owner.split(":")[1]))]
+    if dead:
+        session.execute(update(Claim).where(Claim.id.in_(dead)).values(state="pending", owner=None, expires_at=None))
+    return len(dead)
+
+
+def _by_digest(wanted: dict[int, str]) -> list[tuple[str, list[int]]]:
+    groups: dict[str, list[int]] = {}
+    for pid, d in wanted.items():
+        groups.setdefault(d, []).append(pid)
+    return [(d, pids[i:i + 500]) for d, pids in groups.items() for i in range(0, len(pids), 500)]
+
+
+def claim(session: Session, hw_id: int, backend: Backend, owner: str, wanted: dict[int, str], n: int,
+          lease_s: float) -> list[int]:
+    """Claim up to n pending (or expired) problems of ``wanted`` (problem id -> op digest), in its order."""
+    now = utcnow()
+    got: list[tuple[int, int]] = []
+    for digest, chunk in _by_digest(wanted):
+        if len(got) >= n:
+            break
+        q = (select(Claim.id, Claim.problem_id)
+             .where(Claim.hardware_id == hw_id, Claim.backend == backend, Claim.op_digest == digest,
+                    Claim.problem_id.in_(chunk),
+                    or_(Claim.state == "pending", and_(Claim.state == "claimed", Claim.expires_at < now)))
+             .order_by(Claim.problem_id).limit(n - len(got)).with_for_update(skip_locked=True))
+        got.extend(session.execute(q).tuples())
+    if got:
+        session.execute(update(Claim).where(Claim.id.in_([c for c, _ in got])).values(
+            state="claimed", owner=owner, expires_at=now + timedelta(seconds=lease_s)))
+    order = {pid: k for k, pid in enumerate(wanted)}
+    return sorted((pid for _, pid in got), key=order.get)
+
+
+def renew_claims(session: Session, owner: str, lease_s: float) -> None:
+    session.execute(update(Claim).where(Claim.owner == owner, Claim.state == "claimed").values(
+        expires_at=utcnow() + timedelta(seconds=lease_s)))
+
+
+def finish_claim(session: Session, hw_id: int, backend: Backend, problem_id: int, op_digest: str) -> None:
+    session.execute(update(Claim).where(Claim.hardware_id == hw_id, Claim.backend == backend,
+                                        Claim.problem_id == problem_id, Claim.op_digest == op_digest)
+                    .values(state="done", expires_at=None))
+
+
+def release_claims(session: Session, owner: str) -> None:
+    session.execute(update(Claim).where(Claim.owner == owner, Claim.state == "claimed").values(
+        state="pending", owner=None, expires_at=None))
+
+
+def remaining(session: Session, hw_id: int, backend: Backend, wanted: dict[int, str]) -> int:
+    n = 0
+    for digest, chunk in _by_digest(wanted):
+        n += len(session.execute(select(Claim.id).where(
+            Claim.hardware_id == hw_id, Claim.backend == backend, Claim.op_digest == digest,
+            Claim.problem_id.in_(chunk), Claim.state != "done")).all())
+    return n
