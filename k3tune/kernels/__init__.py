@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
+from importlib.metadata import PackageNotFoundError, version
 
 from k3tune.errors import ConfigError
 from k3tune.kernels.base import BACKENDS, KernelConfig, KernelFamily, Work, params_key
@@ -42,6 +44,15 @@ def families_for(problem: Problem, backend: str) -> list[KernelFamily]:
     return sorted(found, key=lambda f: (f.priority, f.name))
 
 
+@functools.cache
+def _dsl_version() -> str:
+    try:
+        return version("nvidia-cutlass-dsl")
+    except PackageNotFoundError:  # recorded as such, and part of the key all the same
+        return "none"
+
+
+@functools.cache
 def op_digest(op: str, backend: str) -> str:
     """Digest of every family that may serve the op on the backend: a change to any of them, or a family
     added or removed, makes the op's tuned winners stale."""
@@ -49,13 +60,7 @@ def op_digest(op: str, backend: str) -> str:
     kind = OPS[op].kind if op in OPS else op
     parts = sorted(f"{f.name}:{f.digest}" for f in FAMILIES.values()
                    if backend in f.backends and kind in f.kinds and (f.ops is None or op in f.ops))
-    try:
-        from importlib.metadata import version
-
-        dsl = version("nvidia-cutlass-dsl")
-    except Exception:  # not installed: recorded as such, and part of the key all the same
-        dsl = "none"
-    parts.append(f"cutlass-dsl:{dsl}" if backend == "gpu" else "")
+    parts.append(f"cutlass-dsl:{_dsl_version()}" if backend == "gpu" else "")
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 

@@ -66,6 +66,12 @@ class KernelFamily:
         """Choices per config field, pruned against the problem."""
         return {}
 
+    def cached_space(self, problem: Problem) -> dict[str, tuple]:
+        cache = self.__dict__.setdefault("_space_cache", {})
+        if problem not in cache:
+            cache[problem] = self.space(problem)
+        return cache[problem]
+
     def valid(self, cfg: KernelConfig, problem: Problem) -> bool:
         """Whether a combination of choices is legal for the problem."""
         return True
@@ -102,7 +108,7 @@ class KernelFamily:
         """Rebuild a config from stored params, refusing anything outside the declared space."""
         if not self.can_implement(problem):
             raise CannotImplement(f"{self.name} cannot implement {problem.key}")
-        space = self.space(problem)
+        space = self.cached_space(problem)
         if set(params) != set(space):
             raise CannotImplement(f"{self.name}: params {sorted(params)} do not match the space {sorted(space)}")
         for k, v in params.items():

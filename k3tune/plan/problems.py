@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import cached_property
 from itertools import product
 
 from k3tune.errors import ConfigError
@@ -40,23 +41,17 @@ class Problem:
     kind: str
     dims: tuple[tuple[str, int | str], ...]
 
-    @property
+    @cached_property
     def key(self) -> str:
         return f"{self.op}[{','.join(f'{k}={v}' for k, v in self.dims)}]"
 
     def __getitem__(self, name: str):
-        for k, v in self.dims:
-            if k == name:
-                return v
-        raise KeyError(name)
+        return self.shape[name]
 
     def get(self, name: str, default=None):
-        try:
-            return self[name]
-        except KeyError:
-            return default
+        return self.shape.get(name, default)
 
-    @property
+    @cached_property
     def shape(self) -> dict:
         return dict(self.dims)
 

@@ -1,0 +1,3 @@
+from k3tune.cli import entry
+
+entry()

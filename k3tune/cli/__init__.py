@@ -1,0 +1,45 @@
+"""The k3tune command line: a thin layer over the library. Known errors become one line and an exit code
+here, in one place; K3TUNE_DEBUG=1 shows the full traceback."""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from k3tune import settings
+from k3tune.cli import db as db_cmd
+from k3tune.cli import lookup as lookup_cmd
+from k3tune.cli import plan as plan_cmd
+from k3tune.cli import sweep as sweep_cmd
+from k3tune.errors import K3TuneError
+
+app = typer.Typer(name="k3tune", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+                  help="Autotune the Kimi K3 decode path: sweep kernels per deployment, store winners, serve lookups.")
+app.command("sweep")(sweep_cmd.sweep)
+app.command("plan")(plan_cmd.plan)
+app.command("lookup")(lookup_cmd.lookup)
+app.add_typer(db_cmd.app, name="db")
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        rv = app(args=argv, prog_name="k3tune", standalone_mode=False)
+        return rv if isinstance(rv, int) else 0
+    except K3TuneError as e:
+        if settings.load().debug:
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    except typer.Exit as e:
+        return e.exit_code
+    except typer.TyperException as e:  # usage errors: typer prints them with the command's usage
+        e.show()
+        return getattr(e, "exit_code", 2)
+    except (typer.Abort, KeyboardInterrupt):
+        print("interrupted: finished trials are saved; run the same command again to resume", file=sys.stderr)
+        return 130
+
+
+def entry() -> None:
+    sys.exit(main())

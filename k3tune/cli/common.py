@@ -1,0 +1,29 @@
+"""Options and output helpers shared by the command groups."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from k3tune import settings
+
+console = Console()
+err_console = Console(stderr=True)
+
+DbOption = Annotated[str | None, typer.Option("--db", help="Tuning database: a SQLite path or SQLAlchemy URL "
+                                              "(default: $K3TUNE_DB, else ./k3tune.sqlite).")]
+SpecOption = Annotated[str | None, typer.Option("--spec", help="Sweep spec TOML, or a name from configs/ "
+                                                "(e.g. 'smoke'); default configs/sweep_default.toml.")]
+ConfigOption = Annotated[str | None, typer.Option("--config", help="Model config.json (default: K3's published config).")]
+JsonOption = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")]
+
+
+def db_target(db: str | None) -> str:
+    return db or settings.load().default_db
+
+
+def print_json(obj) -> None:
+    typer.echo(json.dumps(obj, indent=2, default=str))

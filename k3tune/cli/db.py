@@ -1,0 +1,140 @@
+"""`k3tune db ...`: inspect, verify, export, merge, diff and upgrade tuning databases."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from k3tune.cli.common import ConfigOption, JsonOption, SpecOption, console, db_target, print_json
+from k3tune.errors import DatabaseError
+from k3tune.plan import model as models, problems as plans, spec as specs
+from k3tune.store import db as store_db
+from k3tune.store import inspect, transfer
+
+app = typer.Typer(no_args_is_help=True, help="Inspect and maintain tuning databases.")
+DbArg = Annotated[str | None, typer.Argument(help="SQLite path or SQLAlchemy URL (default: $K3TUNE_DB or ./k3tune.sqlite).")]
+
+
+def _open(target: str | None, **kw) -> store_db.Database:
+    return store_db.open_db(db_target(target), create=False, **kw)
+
+
+@app.command()
+def show(db: DbArg = None, json: JsonOption = False) -> None:
+    """Summarise a database: hardware, runs, trials by status, winners by op.
+
+    Example: k3tune db show tuning_db/h200.sqlite
+    """
+    info = inspect.show(_open(db, readonly=True))
+    if json:
+        print_json(info)
+        return
+    console.print(f"[bold]{info['database']}[/] schema {info['schema']}: {info['problems']} problems")
+    for h in info["hardware"]:
+        console.print(f"  hardware: {h['name']} cc {h['cc']} {h['sms']} SMs{' (simulated)' if h['simulated'] else ''}")
+    console.print(f"  trials: {info['trials']}")
+    t = Table("op", "winners")
+    for op, n in sorted(info["winners_by_op"].items()):
+        t.add_row(op, str(n))
+    console.print(t)
+    for r in info["runs"][-5:]:
+        console.print(f"  run {r['id']} [{r['status']}] {r['backend']} on {r['host']}: {r['command']}")
+
+
+@app.command()
+def verify(db: DbArg = None, spec: SpecOption = None, config: ConfigOption = None, json: JsonOption = False) -> None:
+    """Check integrity, schema version, staleness against the current kernels and coverage of a sweep spec.
+    Exits non-zero when anything is wrong.
+
+    Example: k3tune db verify k3tune.sqlite --spec smoke
+    """
+    sp = specs.load(spec)
+    plan = plans.build(sp, models.load(config or sp.model_config))
+    v = inspect.verify(store_db.open_db(db_target(db), create=False, check_schema=False), plan)
+    if json:
+        print_json(v.as_dict())
+    else:
+        console.print(f"integrity: {', '.join(v.integrity) or 'n/a'}; schema {v.schema} "
+                      f"({'current' if v.schema_ok else 'needs k3tune db upgrade'}); {v.winners} winners")
+        console.print(f"stale winners: {len(v.stale)}; parameters outside the space: {len(v.out_of_space)}")
+        for hw, c in v.coverage.items():
+            console.print(f"coverage of spec {sp.name} on {hw}: {c['covered']}/{c['total']}")
+        console.print("[green]OK[/]" if v.ok else "[red]NOT OK[/]")
+    if not v.ok:
+        raise typer.Exit(1)
+
+
+@app.command()
+def export(src: Annotated[str, typer.Argument(help="Database to export from.")],
+           dest: Annotated[str, typer.Argument(help="SQLite file to write (replaced atomically).")],
+           hardware: Annotated[str | None, typer.Option(help="Only hardware whose class key contains this, e.g. 'H200'.")] = None,
+           json: JsonOption = False) -> None:
+    """Write a compact, winners-only database to ship (temp file, then rename).
+
+    Example: k3tune db export k3tune.sqlite tuning_db/h200.sqlite --hardware H200
+    """
+    st = transfer.export(_open(src, readonly=True), dest, hardware=hardware)
+    if json:
+        print_json(vars(st))
+    else:
+        console.print(f"exported {st.winners_added} winners to {dest}")
+
+
+@app.command()
+def merge(dest: Annotated[str, typer.Argument(help="SQLite file to merge into (created if missing; replaced atomically).")],
+          sources: Annotated[list[str], typer.Argument(help="Databases to merge in.")],
+          json: JsonOption = False) -> None:
+    """Merge databases tuned on several machines; a conflict keeps the faster measured winner, with provenance.
+
+    Example: k3tune db merge all.sqlite node1.sqlite node2.sqlite
+    """
+    srcs = [_open(s, readonly=True) for s in sources]
+    st = transfer.merge(dest, srcs)
+    if json:
+        print_json(vars(st))
+    else:
+        console.print(f"merged {len(srcs)} databases into {dest}: {st.trials} trials, {st.winners_added} winners added, "
+                      f"{st.winners_replaced} replaced by faster ones, {st.winners_kept} kept")
+
+
+@app.command()
+def diff(a: Annotated[str, typer.Argument(help="Baseline database.")],
+         b: Annotated[str, typer.Argument(help="Database to compare.")],
+         json: JsonOption = False) -> None:
+    """Compare two databases problem by problem; regressions (slower beyond the spread) are flagged and
+    make the exit code 1.
+
+    Example: k3tune db diff tuning_db/h200.sqlite k3tune.sqlite
+    """
+    d = inspect.diff(_open(a, readonly=True), _open(b, readonly=True))
+    if json:
+        print_json(d)
+    else:
+        console.print(f"changes: {d['counts']}")
+        t = Table("change", "problem", "a us", "b us", "ratio")
+        for r in d["rows"][:200]:
+            style = "red" if r["change"] == "regression" else None
+            t.add_row(r["change"], escape(r["problem"]), f"{r['a']:.2f}" if r.get("a") else "-",
+                      f"{r['b']:.2f}" if r.get("b") else "-", str(r.get("ratio", "-")), style=style)
+        console.print(t)
+    if d["counts"].get("regression"):
+        raise typer.Exit(1)
+
+
+@app.command()
+def upgrade(db: DbArg = None) -> None:
+    """Migrate a database to the current schema (SQLite: on a copy that replaces it; the original kept as .bak).
+
+    Example: k3tune db upgrade old.sqlite
+    """
+    before, after = store_db.upgrade(db_target(db))
+    if before == after:
+        console.print(f"already at schema {after}")
+    else:
+        console.print(f"upgraded schema {before or '(none)'} -> {after}")
+
+
+__all__ = ["app", "DatabaseError"]

@@ -1,0 +1,47 @@
+"""`k3tune lookup`: what the runtime selector serves for every op of one deployment, and why."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from k3tune.cli.common import ConfigOption, JsonOption, SpecOption, console, print_json
+from k3tune.plan import model as models, spec as specs
+from k3tune.runtime import Selector
+
+
+def lookup(
+    tp: Annotated[int, typer.Option(help="Tensor parallel size.")],
+    batch: Annotated[int, typer.Option(help="Decode batch, 1-64.")],
+    draft: Annotated[int, typer.Option(help="Speculative draft length, 0-7.")] = 0,
+    dcp: Annotated[int, typer.Option(help="Decode context parallel size (divides tp).")] = 1,
+    context: Annotated[int | None, typer.Option(help="Context length for attention (default: the largest bucket).")] = None,
+    db: Annotated[str | None, typer.Option("--db", help="Tuning database (default: the shipped one for the detected GPU).")] = None,
+    simulate: Annotated[str | None, typer.Option("--simulate", help="Serve the simulated winners of this hardware (e.g. gb300).")] = None,
+    spec: SpecOption = None,
+    config: ConfigOption = None,
+    json: JsonOption = False,
+) -> None:
+    """Print the chosen kernel and knobs for every op of the decode layer, with where each came from.
+
+    Example: k3tune lookup --tp 16 --batch 8 --draft 6 --dcp 1 --db k3tune.sqlite --simulate gb300
+    """
+    specs.validate_deployment_values(tp, batch, dcp, draft)
+    sp = specs.load(spec)
+    sel = Selector.load(db, simulated=simulate, spec=sp, model=models.load(config or sp.model_config))
+    choices = sel.layer(tp, batch, draft, dcp, context)
+    if json:
+        print_json({"deployment": dict(tp=tp, batch=batch, draft=draft, dcp=dcp, context=sel.context_bucket(context)),
+                    "table_hash": sel.hash, "warnings": sel.warnings, "ops": [c.as_dict() for c in choices.values()]})
+        return
+    t = Table("op", "kernel", "knobs", "source", "time us", title=f"tp {tp} batch {batch} draft {draft} dcp {dcp} "
+              f"context {sel.context_bucket(context)} (table {sel.hash})")
+    for c in choices.values():
+        knobs = " ".join(f"{k}={v}" for k, v in c.params) or "-"
+        t.add_row(c.op, c.family, escape(knobs), escape(c.source), f"{c.median_us:.2f}" if c.median_us else "-")
+    console.print(t)
+    for w in sel.warnings:
+        console.print(f"[yellow]warning:[/] {escape(w)}")

@@ -1,0 +1,98 @@
+"""`k3tune sweep`: tune the deployment matrix on this machine's GPUs (or a simulated GPU)."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from typing import Annotated
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from k3tune import settings
+from k3tune.cli.common import ConfigOption, DbOption, JsonOption, SpecOption, console, db_target, print_json
+from k3tune.errors import ConfigError, HardwareError
+from k3tune.plan import hardware, model as models, spec as specs
+from k3tune.search.driver import SweepOptions, SweepStats, run_sweep
+from k3tune.store.db import open_db
+
+
+def _visible_gpus() -> int:
+    found = hardware.detect()
+    if found is None:
+        return 0
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def sweep(
+    gpus: Annotated[int | None, typer.Option("--gpus", help="Worker processes, one per GPU (default: all visible GPUs).")] = None,
+    simulate: Annotated[str | None, typer.Option("--simulate", flag_value="auto", is_flag=False,
+                                                  help="Use the analytic roofline backend for this hardware "
+                                                       "(gb300, b200, h200, h100); bare --simulate: the detected "
+                                                       "or configured hardware. Records say 'simulated'.")] = None,
+    db: DbOption = None,
+    spec: SpecOption = None,
+    config: ConfigOption = None,
+    trial_timeout: Annotated[float, typer.Option(help="Seconds before a hung candidate is killed (costs one trial).")] = 120.0,
+    lease: Annotated[float, typer.Option(help="Seconds a claimed problem stays ours without renewal (scale-out).")] = 300.0,
+    wait: Annotated[bool, typer.Option(help="Wait for problems other machines have claimed, taking over expired ones.")] = True,
+    json: JsonOption = False,
+) -> None:
+    """Tune every problem of the deployment matrix and store every trial and the winners.
+
+    Interrupt it at any time; running the same command again resumes where it stopped.
+
+    Examples:
+      k3tune sweep --gpus 16
+      k3tune sweep --gpus 16 --simulate gb300
+      k3tune sweep --db postgresql://tuner@db-host/k3tune   # several machines, one sweep
+    """
+    sp = specs.load(spec)
+    model = models.load(config or sp.model_config)
+    hw = None
+    if simulate is not None:
+        backend = "simulated"
+        hw = hardware.resolve_simulated(simulate, settings.load().hardware)
+        workers = gpus or 1
+    else:
+        backend = "gpu"
+        visible = _visible_gpus()
+        if visible == 0:
+            raise HardwareError("no CUDA GPU found: run on a GPU node, or add --simulate gb300")
+        workers = gpus or visible
+        if workers > visible:
+            raise HardwareError(f"--gpus {workers} asked for, but only {visible} GPU(s) are visible")
+    if workers < 1:
+        raise ConfigError("--gpus must be at least 1")
+    database = open_db(db_target(db))
+    command = "k3tune " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    label = f"simulated {hw.key}" if hw else "measured"
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn(),
+                  console=console, disable=json, transient=False) as progress:
+        task = progress.add_task(f"sweep ({label}, {workers} workers)", total=None, info="starting workers")
+
+        def on_progress(st: SweepStats) -> None:
+            best = f" best {st.best_speedup:.2f}x vs default" if st.best_speedup else ""
+            progress.update(task, total=st.problems_total, completed=st.problems_done_before + st.problems_done,
+                            info=f"trials {st.trials} failed {st.failed}{best}")
+
+        stats = run_sweep(SweepOptions(sp, model, database, backend, workers, hw=hw, trial_timeout_s=trial_timeout,
+                                       lease_s=lease, wait_for_others=wait, command=command, progress=on_progress))
+    summary = {"database": str(database.path or database.url), "backend": label, "run_id": stats.run_id,
+               "problems": stats.problems_total, "already_done": stats.problems_done_before,
+               "tuned_now": stats.problems_done, "trials": stats.trials, "failed_trials": stats.failed,
+               "reused_trials": stats.reused, "workers_replaced": stats.workers_replaced,
+               "no_winner": stats.no_winner, "skipped_ops": stats.skipped_ops, "seconds": round(stats.seconds, 1)}
+    if json:
+        print_json(summary)
+        return
+    console.print(f"{stats.problems_done} problems tuned now, {stats.problems_done_before} already done, "
+                  f"{stats.trials} trials ({stats.failed} failed, {stats.workers_replaced} workers replaced) "
+                  f"in {stats.seconds:.1f} s -> {summary['database']}")
+    for op, why in stats.skipped_ops.items():
+        console.print(f"[yellow]skipped[/] {op}: {why}")
+    if stats.no_winner:
+        console.print(f"[red]{len(stats.no_winner)} problems had no correct candidate[/] (heuristic defaults serve them)")

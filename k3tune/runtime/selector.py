@@ -1,0 +1,269 @@
+"""The runtime selector: loads a tuning database once into dense in-memory tables, then answers
+``lookup(op, tp, batch, draft, dcp, context)`` with a plain index, never a query.
+
+Every op has one table keyed by its problem's coordinates (tp and the tokens bucket for dense and MoE ops;
+tp, batch and query buckets for KDA; plus dcp and context for MLA); bucket lists cover every batch 1..64 and
+draft length 0..7, so the tables cover every deployment of the spec. Sources, in order:
+``measured`` (a winner for this hardware), ``nearest bucket`` (the nearest tuned size at or above; warned
+once per op), ``heuristic default`` (the safest family's default). ``simulated`` winners are served only
+when asked for explicitly, and labelled so. A missing database, other hardware, a stale kernel digest or
+parameters outside the declared space give defaults and a warning, never an exception.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from k3tune.errors import CannotImplement, ConfigError, DatabaseError
+from k3tune.kernels import family as get_family
+from k3tune.kernels import op_digest, safe_default
+from k3tune.plan import hardware, model as models, problems as plans, spec as specs
+from k3tune.plan.hardware import Fingerprint
+from k3tune.plan.spec import MAX_BATCH, MAX_DRAFT
+from k3tune.shipped import tuning_db_dir
+
+log = logging.getLogger("k3tune.runtime")
+
+SIZE_DIMS = {"gemm": ("M",), "moe_block": ("M",), "kda_decode": ("batch", "qlen"), "mla_decode": ("batch", "qlen")}
+_GEMM, _KDA, _MLA = 0, 1, 2
+_KIND_CODE = {"gemm": _GEMM, "moe_block": _GEMM, "kda_decode": _KDA, "mla_decode": _MLA}
+
+
+@dataclass(frozen=True)
+class Choice:
+    op: str
+    family: str
+    params: tuple  # sorted (name, value) pairs
+    source: str  # measured | simulated | nearest bucket (measured|simulated) | heuristic default
+    problem: str  # the problem key this entry serves
+    tuned_problem: str | None  # the problem whose winner it is (differs for nearest bucket)
+    median_us: float | None
+
+    @property
+    def approx(self) -> bool:
+        return self.source.startswith("nearest")
+
+    def config(self):
+        fam = get_family(self.family)
+        return fam.config_cls(**dict(self.params))
+
+    def as_dict(self) -> dict:
+        return {"op": self.op, "family": self.family, "params": dict(self.params), "source": self.source,
+                "problem": self.problem, "tuned_problem": self.tuned_problem, "median_us": self.median_us}
+
+
+def shipped_db_for(fp: Fingerprint | None) -> Path | None:
+    if fp is None:
+        return None
+    hw = hardware.spec_for_device_name(fp.name)
+    path = tuning_db_dir() / f"{hw.key}.sqlite" if hw else None
+    return path if path and path.exists() else None
+
+
+class Selector:
+    def __init__(self, spec: specs.SweepSpec, model: models.ModelConfig):
+        self.spec = spec
+        self.model = model
+        self.warnings: list[str] = []
+        self._tables: dict[str, dict[tuple, Choice]] = {}
+        self._kind: dict[str, int] = {name: _KIND_CODE[o.kind] for name, o in plans.OPS.items()}
+        self._tb = [None] + [specs.bucket(m, spec.token_buckets) for m in range(1, MAX_BATCH * (1 + MAX_DRAFT) + 1)]
+        self._bb = [None] + [specs.bucket(b, spec.batch_buckets) for b in range(1, MAX_BATCH + 1)]
+        self._qb = [None] + [specs.bucket(q, spec.query_buckets) for q in range(1, MAX_DRAFT + 2)]
+        self._ctx = list(spec.context)
+        self._ctx_exact = frozenset(self._ctx)
+        self._winners: dict[str, dict[str, tuple]] = {}  # op -> problem key -> (family, params, median, label, dims)
+        self._warned: set[str] = set()
+        self.hash = ""
+
+    # ---- loading --------------------------------------------------------------------------------
+    @classmethod
+    def load(cls, db: str | os.PathLike | None = None, *, fingerprint: Fingerprint | None = None,
+             simulated: str | None = None, spec: specs.SweepSpec | None = None,
+             model: models.ModelConfig | None = None) -> Selector:
+        """Load winners for this hardware. ``simulated='gb300'`` serves that simulated hardware's winners
+        (labelled simulated); otherwise the detected GPU's measured winners (or ``fingerprint``'s)."""
+        sel = cls(spec or specs.load(), model or models.load())
+        if simulated:
+            fp = hardware.simulated_fingerprint(hardware.spec(simulated))
+        else:
+            if fingerprint is None:
+                found = hardware.detect()
+                fingerprint = found[0] if found else None
+            fp = fingerprint
+        path = db if db is not None else shipped_db_for(fp)
+        if fp is None:
+            sel._warn("no GPU detected and no hardware given: serving heuristic defaults")
+        elif path is None:
+            sel._warn(f"no tuning database for {fp.name}: serving heuristic defaults")
+        else:
+            sel._read(path, fp)
+        sel._build()
+        return sel
+
+    def _warn(self, msg: str) -> None:
+        self.warnings.append(msg)
+        log.warning(msg)
+
+    def _read(self, path, fp: Fingerprint) -> None:
+        from sqlalchemy import select
+
+        from k3tune.store.db import Database
+        from k3tune.store.models import Backend, Hardware, ProblemRow, Winner
+
+        try:
+            db = Database(path, readonly=True, create=False)
+        except DatabaseError as e:
+            self._warn(f"cannot use tuning database: {e}; serving heuristic defaults")
+            return
+        try:
+            with db.session() as s:
+                hw_rows = s.execute(select(Hardware.id, Hardware.class_key, Hardware.driver, Hardware.cuda)).all()
+                ids = [r.id for r in hw_rows if r.class_key == fp.class_key]
+                if not ids:
+                    have = sorted({r.class_key for r in hw_rows})
+                    self._warn(f"{path}: tuned for {have or 'no hardware'}, not {fp.class_key}: serving heuristic defaults")
+                    return
+                if not fp.simulated and not any(r.driver == fp.driver and r.cuda == fp.cuda for r in hw_rows if r.id in ids):
+                    self._warn(f"{path}: tuned under another driver/CUDA than {fp.driver}/{fp.cuda}; serving it anyway")
+                label = Backend.simulated if fp.simulated else Backend.measured
+                rows = s.execute(select(ProblemRow.op, ProblemRow.key, ProblemRow.dims, Winner.op_digest, Winner.family,
+                                        Winner.params, Winner.median_us)
+                                 .join(ProblemRow, ProblemRow.id == Winner.problem_id)
+                                 .where(Winner.hardware_id.in_(ids), Winner.backend == label)).all()
+        except DatabaseError as e:
+            self._warn(f"cannot read tuning database: {e}; serving heuristic defaults")
+            return
+        finally:
+            db.dispose()
+        backend = "simulated" if fp.simulated else "gpu"
+        current = {op: op_digest(op, backend) for op in plans.OPS}
+        stale, refused = 0, 0
+        lab = "simulated" if fp.simulated else "measured"
+        for op, key, dims, digest, fam, params, median in rows:
+            if op not in current or digest != current[op]:
+                stale += 1
+                continue
+            try:
+                problem = plans.Problem(op, plans.OPS[op].kind, tuple(dims.items()))
+                get_family(fam).config_from_params(problem, params)
+            except (CannotImplement, ConfigError) as e:
+                refused += 1
+                log.debug("refusing stored winner %s: %s", key, e)
+                continue
+            self._winners.setdefault(op, {})[key] = (fam, tuple(sorted(params.items())), median, lab, problem)
+        if stale:
+            self._warn(f"{path}: {stale} winners are stale (kernel sources changed since tuning): re-tune; defaults serve them")
+        if refused:
+            self._warn(f"{path}: refused {refused} winners whose parameters fall outside the declared space")
+
+    def _choose(self, problem: plans.Problem) -> Choice:
+        tuned = self._winners.get(problem.op, {})
+        hit = tuned.get(problem.key)
+        if hit:
+            return Choice(problem.op, hit[0], hit[1], hit[3], problem.key, problem.key, hit[2])
+        sizes = SIZE_DIMS[problem.kind]
+        fixed = tuple((k, v) for k, v in problem.dims if k not in sizes)
+        best = None
+        for fam, params, median, lab, p in tuned.values():
+            if tuple((k, v) for k, v in p.dims if k not in sizes) != fixed:
+                continue
+            if all(p[d] >= problem[d] for d in sizes):
+                rank = sum(p[d] for d in sizes)
+                if best is None or rank < best[0]:
+                    best = (rank, fam, params, median, lab, p)
+        if best:
+            try:  # the neighbour's config must fit this problem too
+                get_family(best[1]).config_from_params(problem, dict(best[2]))
+                return Choice(problem.op, best[1], best[2], f"nearest bucket ({best[4]})", problem.key, best[5].key, best[3])
+            except CannotImplement:
+                pass
+        fam, cfg = safe_default(problem)
+        return Choice(problem.op, fam.name, tuple(sorted(cfg.params().items())), "heuristic default", problem.key, None, None)
+
+    def _key(self, op: str, tp: int, batch: int, draft: int, dcp: int, ctx: int) -> tuple:
+        kind = self._kind[op]
+        if kind == _GEMM:
+            return (tp, self._tb[batch * (1 + draft)])
+        if kind == _KDA:
+            return (tp, self._bb[batch], self._qb[1 + draft])
+        return (tp, dcp, self._bb[batch], self._qb[1 + draft], ctx)
+
+    def _cells(self, kind: int):
+        """(table key, representative deployment) for every cell an op of this kind has under the spec."""
+        sp, ctx0 = self.spec, self._ctx[0]
+        for tp in sp.tp:
+            if kind == _GEMM:
+                for m in sorted(set(self._tb[1:])):
+                    yield (tp, m), plans.Deployment(tp, m, 1, 0, ctx0)
+            elif kind == _KDA:
+                for b in sorted(set(self._bb[1:])):
+                    for q in sorted(set(self._qb[1:])):
+                        yield (tp, b, q), plans.Deployment(tp, b, 1, q - 1, ctx0)
+            else:
+                for dcp in (d for d in sp.dcp if d <= tp and tp % d == 0):
+                    for b in sorted(set(self._bb[1:])):
+                        for q in sorted(set(self._qb[1:])):
+                            for c in self._ctx:
+                                yield (tp, dcp, b, q, c), plans.Deployment(tp, b, dcp, q - 1, c)
+
+    def _build(self) -> None:
+        memo: dict[plans.Problem, Choice] = {}
+        for op in plans.OPS.values():
+            table = self._tables.setdefault(op.name, {})
+            for key, dep in self._cells(self._kind[op.name]):
+                p = plans.Problem(op.name, op.kind, op.dims(self.model, dep, self.spec))
+                table[key] = memo.get(p) or memo.setdefault(p, self._choose(p))
+        digest = hashlib.sha256()
+        for p in sorted(memo):
+            c = memo[p]
+            digest.update(repr((p.key, c.family, c.params, c.source)).encode())
+        self.hash = digest.hexdigest()[:16]
+
+    # ---- serving --------------------------------------------------------------------------------
+    def context_bucket(self, context: int | None) -> int:
+        """The context bucket a context length is served from: the smallest at or above it (the largest
+        bucket for longer contexts and for None)."""
+        if context is None:
+            return self._ctx[-1]
+        if context in self._ctx_exact:
+            return context
+        i = bisect.bisect_left(self._ctx, context)
+        return self._ctx[min(i, len(self._ctx) - 1)]
+
+    def lookup(self, op: str, tp: int, batch: int, draft: int = 0, dcp: int = 1, context: int | None = None) -> Choice:
+        """The kernel for one op of one deployment. Bad arguments raise ConfigError; anything else is served."""
+        if 0 < batch <= MAX_BATCH and 0 <= draft <= MAX_DRAFT and 0 < dcp <= tp and not tp % dcp:
+            kind = self._kind.get(op)
+            if kind == _GEMM:
+                key = (tp, self._tb[batch * (1 + draft)])
+            elif kind == _KDA:
+                key = (tp, self._bb[batch], self._qb[1 + draft])
+            elif kind == _MLA:
+                key = (tp, dcp, self._bb[batch], self._qb[1 + draft], self.context_bucket(context))
+            else:
+                raise plans.op(op) and AssertionError  # unknown op: ConfigError
+            c = self._tables[op].get(key) or self._slow(op, tp, batch, draft, dcp, context)
+            if c.approx and op not in self._warned:
+                self._warned.add(op)
+                self._warn(f"{op}: {c.problem} is untuned; serving the nearest tuned bucket {c.tuned_problem}")
+            return c
+        specs.validate_deployment_values(tp, batch, dcp, draft)
+        raise AssertionError("unreachable")
+
+    def _slow(self, op: str, tp: int, batch: int, draft: int, dcp: int, context: int | None) -> Choice:
+        """A deployment outside the spec's tp/dcp values: validated, then built and cached."""
+        o = plans.op(op)
+        dep = plans.Deployment(tp, batch, dcp, draft, self.context_bucket(context))
+        p = plans.problem_for(o, self.model, dep, self.spec)
+        c = self._choose(p)
+        self._tables[op][self._key(op, tp, batch, draft, dcp, dep.context if self._kind[op] == _MLA else 0)] = c
+        return c
+
+    def layer(self, tp: int, batch: int, draft: int = 0, dcp: int = 1, context: int | None = None) -> dict[str, Choice]:
+        return {op: self.lookup(op, tp, batch, draft, dcp, context) for op in plans.OPS}

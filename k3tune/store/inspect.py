@@ -1,0 +1,117 @@
+"""Reading a database for people: summary, verification against the current kernels and a sweep spec,
+and a problem-by-problem diff of two databases with regressions flagged."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from sqlalchemy import func, select
+
+from k3tune.errors import CannotImplement, ConfigError
+from k3tune.kernels import families_for, family, op_digest
+from k3tune.plan import problems as plans
+from k3tune.store.db import Database, head_revision
+from k3tune.store.models import Hardware, ProblemRow, Run, Trial, Winner
+
+BACKEND_OF = {"measured": "gpu", "simulated": "simulated", "cpu": "cpu"}
+REGRESSION_FLOOR = 0.03  # slower by more than this fraction (and the spreads) counts as a regression
+
+
+def show(db: Database) -> dict:
+    with db.session() as s:
+        hw = [dict(name=h.name, cc=h.compute_capability, sms=h.sm_count, memory_gib=h.memory_gib, driver=h.driver,
+                   cuda=h.cuda, simulated=h.simulated) for h in s.scalars(select(Hardware))]
+        runs = [dict(id=r.id, command=r.command, backend=r.backend.value, host=r.host, status=r.status,
+                     started=str(r.started_at), ended=str(r.ended_at) if r.ended_at else None)
+                for r in s.scalars(select(Run).order_by(Run.id))]
+        status = dict(s.execute(select(Trial.status, func.count()).group_by(Trial.status)).tuples().all())
+        winners = dict(s.execute(select(ProblemRow.op, func.count()).join(Winner, Winner.problem_id == ProblemRow.id)
+                                 .group_by(ProblemRow.op)).tuples().all())
+        problems = s.scalar(select(func.count()).select_from(ProblemRow))
+    return {"database": str(db.path or db.url), "schema": db.revision(), "hardware": hw, "runs": runs,
+            "problems": problems, "trials": {k.value: v for k, v in status.items()},
+            "winners_by_op": winners}
+
+
+@dataclass
+class Verification:
+    integrity: list[str]
+    schema: str | None
+    schema_ok: bool
+    winners: int = 0
+    stale: list[str] = field(default_factory=list)
+    out_of_space: list[str] = field(default_factory=list)
+    coverage: dict[str, dict] = field(default_factory=dict)  # hardware class -> {covered, total, missing}
+
+    @property
+    def ok(self) -> bool:
+        full = all(c["covered"] == c["total"] for c in self.coverage.values())
+        return self.integrity in (["ok"], []) and self.schema_ok and not self.stale and not self.out_of_space and full
+
+    def as_dict(self) -> dict:
+        return {"ok": self.ok, "integrity": self.integrity, "schema": self.schema, "schema_ok": self.schema_ok,
+                "winners": self.winners, "stale": self.stale, "out_of_space": self.out_of_space,
+                "coverage": self.coverage}
+
+
+def verify(db: Database, plan: plans.Plan | None = None) -> Verification:
+    v = Verification(db.quick_check(), db.revision(), db.revision() == head_revision())
+    with db.session() as s:
+        rows = s.execute(select(Winner, ProblemRow, Hardware).join(ProblemRow, ProblemRow.id == Winner.problem_id)
+                         .join(Hardware, Hardware.id == Winner.hardware_id)).all()
+    have: dict[str, set[str]] = {}
+    for w, p, h in rows:
+        v.winners += 1
+        backend = BACKEND_OF[w.backend.value]
+        if p.op not in plans.OPS or w.op_digest != op_digest(p.op, backend):
+            v.stale.append(f"{h.class_key} {p.key}")
+            continue
+        problem = plans.Problem(p.op, p.kind, tuple(p.dims.items()))
+        try:
+            family(w.family).config_from_params(problem, w.params)
+        except (CannotImplement, ConfigError) as e:
+            v.out_of_space.append(f"{p.key}: {e}")
+            continue
+        have.setdefault(f"{h.class_key} [{w.backend.value}]", set()).add(p.key)
+    if plan is not None:
+        for hw_key, keys in have.items():
+            backend = BACKEND_OF[hw_key.rsplit("[", 1)[1].rstrip("]")]
+            wanted = [p.key for p in plan.problems if families_for(p, backend)]
+            missing = [k for k in wanted if k not in keys]
+            v.coverage[hw_key] = {"covered": len(wanted) - len(missing), "total": len(wanted), "missing": missing[:20]}
+        if not have:
+            v.coverage["(none)"] = {"covered": 0, "total": len(plan.problems), "missing": [p.key for p in plan.problems[:20]]}
+    return v
+
+
+def _winner_map(db: Database) -> dict[tuple, dict]:
+    with db.session() as s:
+        rows = s.execute(select(Winner, ProblemRow.key, Hardware.class_key).join(ProblemRow, ProblemRow.id == Winner.problem_id)
+                         .join(Hardware, Hardware.id == Winner.hardware_id)).all()
+    return {(hw, key, w.backend.value): dict(family=w.family, params=w.params, median_us=w.median_us,
+                                             spread_us=w.spread_us, op_digest=w.op_digest) for w, key, hw in rows}
+
+
+def diff(a: Database, b: Database) -> dict:
+    """Problem by problem: a winner whose time in b exceeds a's by more than both spreads and 3% regresses."""
+    wa, wb = _winner_map(a), _winner_map(b)
+    rows, counts = [], Counter()
+    for k in sorted(set(wa) | set(wb)):
+        x, y = wa.get(k), wb.get(k)
+        if x is None or y is None:
+            change = "added" if x is None else "removed"
+            rows.append(dict(hardware=k[0], problem=k[1], backend=k[2], change=change,
+                             a=x and x["median_us"], b=y and y["median_us"]))
+            counts[change] += 1
+            continue
+        ratio = y["median_us"] / x["median_us"]
+        margin = max(REGRESSION_FLOOR, (x["spread_us"] + y["spread_us"]) / x["median_us"])
+        change = "regression" if ratio > 1 + margin else "improvement" if ratio < 1 - margin else \
+            ("changed" if (x["family"], x["params"]) != (y["family"], y["params"]) else "same")
+        counts[change] += 1
+        if change != "same":
+            rows.append(dict(hardware=k[0], problem=k[1], backend=k[2], change=change, a=x["median_us"],
+                             b=y["median_us"], ratio=round(ratio, 4), a_kernel=f"{x['family']} {x['params']}",
+                             b_kernel=f"{y['family']} {y['params']}"))
+    return {"counts": dict(counts), "rows": rows}
