@@ -45,8 +45,9 @@ class SmallMGemm(KernelFamily):
         }
 
     def valid(self, cfg: SmallMConfig, problem: Problem) -> bool:
-        # every warp of every split gets whole 16-byte vectors of K
-        return problem["K"] % (cfg.split_k * cfg.warps * 32 * VEC) == 0 or problem["K"] >= 4 * cfg.split_k * cfg.warps * 32 * VEC
+        # each split of K gets whole 16-byte vectors and at least one vector per lane of a warp
+        k = problem["K"]
+        return k % (cfg.split_k * VEC) == 0 and k // cfg.split_k >= 32 * VEC
 
     def default(self, problem: Problem) -> SmallMConfig:
         n = problem["N"]

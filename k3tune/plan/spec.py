@@ -92,10 +92,9 @@ def from_dict(raw: dict, name: str = "spec") -> SweepSpec:
     dcp = _ints(m, "dcp", where, [1])
     draft = _ints(m, "draft", where, [0])
     context = _ints(m, "context", where, [32768])
-    for t in tp:
-        for d in dcp:
-            if d <= t:
-                validate_deployment_values(t, batch[0], d, draft[0])
+    for d in dcp:
+        if not any(d <= t and t % d == 0 for t in tp):
+            raise ConfigError(f"dcp {d} invalid for tp {'/'.join(map(str, tp))}: dcp must divide tp and be <= tp")
     for v in batch:
         validate_deployment_values(tp[0], v, 1, draft[0])
     for v in draft:

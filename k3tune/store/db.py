@@ -119,8 +119,11 @@ class Database:
 
     # ---- schema -------------------------------------------------------------------------------
     def revision(self) -> str | None:
-        with self.engine.connect() as conn:
-            return MigrationContext.configure(conn).get_current_revision()
+        try:
+            with self.engine.connect() as conn:
+                return MigrationContext.configure(conn).get_current_revision()
+        except (SQLAlchemyError, sqlite3.DatabaseError) as e:
+            raise DatabaseError(f"cannot read database {self.url}: {_short(e)}") from None
 
     def ensure_schema(self, create: bool) -> None:
         try:

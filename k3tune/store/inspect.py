@@ -25,9 +25,9 @@ def show(db: Database) -> dict:
         runs = [dict(id=r.id, command=r.command, backend=r.backend.value, host=r.host, status=r.status,
                      started=str(r.started_at), ended=str(r.ended_at) if r.ended_at else None)
                 for r in s.scalars(select(Run).order_by(Run.id))]
-        status = dict(s.execute(select(Trial.status, func.count()).group_by(Trial.status)).tuples().all())
+        status = dict(s.execute(select(Trial.status, func.count()).group_by(Trial.status)).all())
         winners = dict(s.execute(select(ProblemRow.op, func.count()).join(Winner, Winner.problem_id == ProblemRow.id)
-                                 .group_by(ProblemRow.op)).tuples().all())
+                                 .group_by(ProblemRow.op)).all())
         problems = s.scalar(select(func.count()).select_from(ProblemRow))
     return {"database": str(db.path or db.url), "schema": db.revision(), "hardware": hw, "runs": runs,
             "problems": problems, "trials": {k.value: v for k, v in status.items()},
@@ -56,7 +56,13 @@ class Verification:
 
 
 def verify(db: Database, plan: plans.Plan | None = None) -> Verification:
-    v = Verification(db.quick_check(), db.revision(), db.revision() == head_revision())
+    integrity = db.quick_check()
+    if integrity not in (["ok"], []):
+        return Verification(integrity, None, False)
+    rev = db.revision()
+    v = Verification(integrity, rev, rev == head_revision())
+    if not v.schema_ok:
+        return v
     with db.session() as s:
         rows = s.execute(select(Winner, ProblemRow, Hardware).join(ProblemRow, ProblemRow.id == Winner.problem_id)
                          .join(Hardware, Hardware.id == Winner.hardware_id)).all()

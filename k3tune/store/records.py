@@ -76,7 +76,7 @@ def problem_ids(session: Session, problems: list[Problem]) -> dict[Problem, int]
     ids: dict[str, int] = {}
     keys = [p.key for p in problems]
     for i in range(0, len(keys), 500):
-        ids.update(dict(session.execute(select(ProblemRow.key, ProblemRow.id).where(ProblemRow.key.in_(keys[i:i + 500]))).tuples().all()))
+        ids.update(dict(session.execute(select(ProblemRow.key, ProblemRow.id).where(ProblemRow.key.in_(keys[i:i + 500]))).all()))
     return {p: ids[p.key] for p in problems}
 
 
@@ -154,7 +154,7 @@ def plan_claims(session: Session, hw_id: int, backend: Backend, wanted: dict[int
                                         state="pending") for pid, d in wanted.items()],
                   ["hardware_id", "problem_id", "op_digest", "backend"])
     won = set(session.execute(select(Winner.problem_id, Winner.op_digest).where(
-        Winner.hardware_id == hw_id, Winner.backend == backend)).tuples())
+        Winner.hardware_id == hw_id, Winner.backend == backend)).all())
     done = {pid: d for pid, d in wanted.items() if (pid, d) in won}
     for digest, chunk in _by_digest(done):
         session.execute(update(Claim).where(Claim.hardware_id == hw_id, Claim.backend == backend,
@@ -204,7 +204,7 @@ def claim(session: Session, hw_id: int, backend: Backend, owner: str, wanted: di
                     Claim.problem_id.in_(chunk),
                     or_(Claim.state == "pending", and_(Claim.state == "claimed", Claim.expires_at < now)))
              .order_by(Claim.problem_id).limit(n - len(got)).with_for_update(skip_locked=True))
-        got.extend(session.execute(q).tuples())
+        got.extend(session.execute(q).all())
     if got:
         session.execute(update(Claim).where(Claim.id.in_([c for c, _ in got])).values(
             state="claimed", owner=owner, expires_at=now + timedelta(seconds=lease_s)))

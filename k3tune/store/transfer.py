@@ -119,7 +119,7 @@ class _IdMap:
         return self.prob[pid]
 
 
-WINNER_COLS = ("op_digest", "backend", "family", "family_digest", "params", "median_us", "spread_us", "default_us",
+WINNER_COLS = ("family", "family_digest", "params", "median_us", "spread_us", "default_us",
                "ties", "trials", "created_at")
 TRIAL_COLS = ("family", "family_digest", "variant", "params", "params_key", "round", "status", "backend", "median_us",
               "spread_us", "samples", "compile_s", "error", "routing", "created_at")

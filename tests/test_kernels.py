@@ -1,0 +1,97 @@
+"""Kernel registry: declared spaces, defaults, refusal of out-of-space params, digests, and the torch
+baselines' numerics against their fp32 references on the CPU."""
+
+import pytest
+import torch
+
+from k3tune.errors import CannotImplement
+from k3tune.kernels import FAMILIES, families_for, family, op_digest, safe_default
+from k3tune.plan import model, problems, spec
+from k3tune.search.outcome import relative_error
+
+
+@pytest.fixture(scope="module")
+def plan():
+    return problems.build(spec.load(), model.load())
+
+
+def test_every_problem_has_a_safe_gpu_default_or_is_declared(plan):
+    for p in plan.problems:
+        fam, cfg = safe_default(p)
+        assert fam.can_implement(p)
+        fam.config_from_params(p, cfg.params())  # inside the declared space
+        if p.kind != "moe_block":
+            assert "gpu" in fam.backends, p.key
+
+
+def test_defaults_and_spaces_are_consistent(plan):
+    for p in plan.problems[::7]:
+        for f in families_for(p, "simulated"):
+            cfgs = list(f.configs(p))
+            assert cfgs, (f.name, p.key)
+            assert f.default_config(p) in cfgs or f.space_size(p) == 1
+
+
+def test_declared_families_never_offered_to_gpu(plan):
+    for p in plan.problems[::11]:
+        assert all(not f.declared_only for f in families_for(p, "gpu"))
+
+
+def test_params_outside_space_refused():
+    p = problems.Problem("kda.o_proj", "gemm", (("M", 4), ("N", 7168), ("K", 1536)))
+    f = family("gemm.smallm")
+    f.config_from_params(p, {"rows_per_cta": 4, "warps": 4, "split_k": 2})
+    with pytest.raises(CannotImplement, match="outside the declared space"):
+        f.config_from_params(p, {"rows_per_cta": 3, "warps": 4, "split_k": 2})
+    with pytest.raises(CannotImplement, match="do not match"):
+        f.config_from_params(p, {"rows_per_cta": 4})
+    big = problems.Problem("kda.o_proj", "gemm", (("M", 64), ("N", 7168), ("K", 1536)))
+    with pytest.raises(CannotImplement, match="cannot implement"):
+        f.config_from_params(big, {"rows_per_cta": 4, "warps": 4, "split_k": 2})
+
+
+def test_op_digest_depends_on_backend_and_is_stable():
+    assert op_digest("kda.o_proj", "gpu") == op_digest("kda.o_proj", "gpu")
+    assert op_digest("kda.o_proj", "gpu") != op_digest("kda.o_proj", "simulated")
+    assert len({f.digest for f in FAMILIES.values()}) >= 5
+
+
+GEMM_SHAPES = [(1, 96, 256), (3, 80, 136), (17, 64, 264)]
+
+
+@pytest.mark.parametrize("m,n,k", GEMM_SHAPES)
+@pytest.mark.parametrize("name", ["gemm.cublas", "testing.cpu_gemm"])
+def test_gemm_families_match_reference_cpu(name, m, n, k):
+    p = problems.Problem("kda.o_proj", "gemm", (("M", m), ("N", n), ("K", k)))
+    f = family(name)
+    for cfg in f.configs(p):
+        inputs = f.make_inputs(p, "cpu", torch.Generator().manual_seed(m * n + k))
+        out = f.build(p, cfg)(inputs)
+        assert out.shape == (m, n)
+        assert relative_error(out, f.reference(p, inputs)) < f.tolerance(p)
+
+
+def test_kda_baseline_matches_reference_cpu():
+    p = problems.Problem("kda.decode", "kda_decode", (("heads", 3), ("head_dim", 16), ("batch", 2), ("qlen", 3)))
+    f = family("kda.torch")
+    inputs = f.make_inputs(p, "cpu", torch.Generator().manual_seed(1))
+    out = f.build(p, f.default_config(p))(inputs)
+    assert out.shape == (2, 3, 3, 16)
+    assert relative_error(out, f.reference(p, inputs)) < f.tolerance(p)
+
+
+def test_mla_baseline_matches_reference_cpu():
+    p = problems.Problem("mla.decode", "mla_decode", (("heads", 5), ("kv_lora", 32), ("rope", 8), ("batch", 2),
+                                                      ("qlen", 2), ("ctx", 77)))
+    f = family("mla.torch")
+    inputs = f.make_inputs(p, "cpu", torch.Generator().manual_seed(2))
+    out = f.build(p, f.default_config(p))(inputs)
+    assert out.shape == (2, 10, 32)
+    assert relative_error(out, f.reference(p, inputs)) < f.tolerance(p)
+
+
+def test_relative_error_rejects_nan():
+    ref = torch.ones(4, 4)
+    out = ref.clone()
+    out[1, 1] = float("nan")
+    assert relative_error(out, ref) == float("inf")

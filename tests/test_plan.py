@@ -1,0 +1,134 @@
+"""Plan: model configs, sweep specs, hardware specs and the reduction of deployments to problems."""
+
+import json
+
+import pytest
+
+from k3tune.errors import ConfigError, HardwareError
+from k3tune.plan import hardware, model, problems, spec
+
+
+def test_k3_published_config():
+    m = model.load()
+    assert (m.hidden, m.num_layers, m.kda_layers, m.mla_layers) == (7168, 93, 69, 24)
+    assert (m.num_experts, m.top_k, m.latent, m.num_shared_experts) == (896, 16, 3584, 2)
+    assert m.expert_weight_format == "mxfp4"
+
+
+def test_flat_kimi_linear_config(tmp_path):
+    raw = json.loads(model.configs_dir().joinpath("kimi_k3_config.json").read_text())["text_config"]
+    raw.pop("quantization_config")
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps(raw))
+    m = model.load(p)
+    assert m.hidden == 7168 and m.expert_weight_format == "bf16"
+
+
+@pytest.mark.parametrize("content, msg", [
+    ("{not json", "not valid JSON"),
+    (json.dumps({"model_type": "llama"}), "unsupported model_type"),
+    (json.dumps({"model_type": "kimi_linear", "linear_attn_config": {}}), "missing field"),
+])
+def test_bad_config_json(tmp_path, content, msg):
+    p = tmp_path / "config.json"
+    p.write_text(content)
+    with pytest.raises(ConfigError, match=msg):
+        model.load(p)
+
+
+def test_config_field_type_checked(tmp_path):
+    raw = json.loads(model.configs_dir().joinpath("kimi_k3_config.json").read_text())
+    raw["text_config"]["hidden_size"] = "7168"
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match="hidden_size"):
+        model.load(p)
+
+
+def _spec(**matrix):
+    base = {"tp": [8], "batch": [1], "dcp": [1], "draft": [0], "context": [8192]}
+    base.update(matrix)
+    return {"matrix": base}
+
+
+@pytest.mark.parametrize("matrix, msg", [
+    ({"batch": [0]}, "batch 0 out of range"),
+    ({"batch": [65]}, "batch 65 out of range"),
+    ({"draft": [8]}, "draft length 8"),
+    ({"tp": [4], "dcp": [8]}, "dcp 8 invalid for tp 4"),
+    ({"batch": "many"}, "list of integers"),
+])
+def test_bad_spec_values(matrix, msg):
+    with pytest.raises(ConfigError, match=msg):
+        spec.from_dict(_spec(**matrix))
+
+
+def test_malformed_toml(tmp_path):
+    p = tmp_path / "bad.toml"
+    p.write_text("[matrix\ntp = [8")
+    with pytest.raises(ConfigError, match="malformed TOML"):
+        spec.load(p)
+
+
+def test_unknown_search_key():
+    raw = _spec()
+    raw["search"] = {"budgett": 3}
+    with pytest.raises(ConfigError, match="unknown \\[search\\] keys"):
+        spec.from_dict(raw)
+
+
+def test_tp_must_divide_heads():
+    sp = spec.from_dict(_spec(tp=[5], dcp=[1]))
+    with pytest.raises(ConfigError, match="tp 5 does not divide"):
+        problems.build(sp, model.load())
+
+
+def test_default_matrix_reduces_to_shared_problems():
+    sp = spec.load()
+    plan = problems.build(sp, model.load())
+    assert len(plan.deployments) == 2 * 64 * 4 * 8 * 3  # dcp in {1,2,4,8} divides tp in {8,16}
+    ops = {p.op for p in plan.problems}
+    assert ops == set(problems.OPS)
+    assert len(plan.problems) < len(plan.deployments) * len(ops) / 50
+    # a dense problem is shared by every deployment with the same tp and tokens bucket, whatever DCP/context
+    qkv = [p for p in plan.problems if p.op == "kda.qkvg_proj"]
+    assert len(qkv) == 2 * len(sp.token_buckets)
+    assert sum(plan.shared_by[p] for p in qkv) == len(plan.deployments)
+
+
+def test_tokens_per_step_and_dcp():
+    sp = spec.load()
+    m = model.load()
+    d = problems.Deployment(tp=16, batch=8, dcp=2, draft=6, context=131072)
+    assert d.tokens == 56
+    qkv = problems.problem_for(problems.OPS["kda.qkvg_proj"], m, d, sp)
+    assert qkv.shape == {"M": 64, "N": 49152 // 16, "K": 7168}
+    mla = problems.problem_for(problems.OPS["mla.decode"], m, d, sp)
+    assert mla["heads"] == 96 // 16 * 2 and mla["ctx"] == 65536 and mla["qlen"] == 8
+    d1 = problems.Deployment(tp=16, batch=8, dcp=1, draft=6, context=131072)
+    assert problems.problem_for(problems.OPS["kda.qkvg_proj"], m, d1, sp) == qkv
+
+
+def test_issue_shapes():
+    m, sp = model.load(), spec.load()
+    for tp in (8, 16):
+        d = problems.Deployment(tp, 1, 1, 0, 8192)
+        shape = lambda op: problems.problem_for(problems.OPS[op], m, d, sp).shape  # noqa: E731
+        assert shape("kda.o_proj") == {"M": 1, "N": 7168, "K": 12288 // tp}
+        assert shape("moe.router_latent") == {"M": 1, "N": 4480 // tp, "K": 7168}
+        assert shape("moe.shared_w13") == {"M": 1, "N": 12288 // tp, "K": 7168}
+        assert shape("moe.shared_w2") == {"M": 1, "N": 7168, "K": 6144 // tp}
+
+
+def test_unknown_op_and_hardware():
+    with pytest.raises(ConfigError, match="unknown op"):
+        problems.op("kda.nope")
+    with pytest.raises(HardwareError, match="unknown hardware"):
+        hardware.spec("rtx4090")
+    assert hardware.spec("GB300").sm_count == 160
+
+
+def test_simulated_fingerprint_is_labelled():
+    fp = hardware.simulated_fingerprint(hardware.spec("gb300"))
+    assert fp.simulated and fp.class_key.startswith("sim:")
+    assert fp.digest != hardware.simulated_fingerprint(hardware.spec("b200")).digest

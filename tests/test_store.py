@@ -1,0 +1,171 @@
+"""The tuning database: schema creation and checks, refusal of bad files, migrations, idempotent and
+concurrent writes (SQLite and PostgreSQL), export/merge/diff."""
+
+import multiprocessing as mp
+import shutil
+import sqlite3
+from pathlib import Path
+
+import pytest
+from sqlalchemy import func, select
+
+from k3tune.errors import DatabaseError, SchemaError
+from k3tune.plan import hardware
+from k3tune.plan.problems import Problem
+from k3tune.store import db as store_db, inspect, records, transfer
+from k3tune.store.models import Backend, Trial, TrialStatus, Winner
+
+DATA = Path(__file__).parent / "data"
+FP = hardware.simulated_fingerprint(hardware.spec("gb300"))
+PROBLEM = Problem("kda.o_proj", "gemm", (("M", 1), ("N", 7168), ("K", 768)))
+
+
+def _setup(url):
+    db = store_db.open_db(url)
+    with db.session() as s:
+        hw = records.hardware_id(s, FP)
+        sw = records.software_id(s, records.software_versions())
+        pid = records.problem_ids(s, [PROBLEM])[PROBLEM]
+        run = records.start_run(s, command="test", backend=Backend.simulated, hw_id=hw, sw_id=sw, spec_digest="x")
+        run_id = run.id
+    return db, hw, pid, run_id
+
+
+def _rec(pid, i, round_=0, median=1.0):
+    return records.TrialRecord(pid, "gemm.smallm", "d", {"i": i}, f'{{"i":{i}}}', round_, TrialStatus.ok, median, 0.1, 5)
+
+
+def test_create_and_reopen(db_path):
+    db = store_db.open_db(db_path)
+    assert db.revision() == store_db.head_revision()
+    assert db.quick_check() == ["ok"]
+    db.dispose()
+    assert store_db.open_db(db_path, readonly=True).revision() == store_db.head_revision()
+
+
+def test_not_sqlite_file_refused(tmp_path):
+    p = tmp_path / "notes.sqlite"
+    p.write_text("this is not a database\n" * 10)
+    with pytest.raises(DatabaseError, match="is not a SQLite database"):
+        store_db.open_db(p)
+    assert p.read_text().startswith("this is not")  # untouched
+
+
+def test_truncated_database(tmp_path):
+    db, *_ = _setup(tmp_path / "a.sqlite")
+    with db.session() as s:
+        records.record_trials(s, 1, 1, Backend.simulated, [_rec(1, i) for i in range(3000)])
+    db.dispose()
+    with sqlite3.connect(tmp_path / "a.sqlite") as c:
+        c.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    data = (tmp_path / "a.sqlite").read_bytes()
+    bad = tmp_path / "bad.sqlite"
+    bad.write_bytes(data[: len(data) // 3])
+    with pytest.raises(DatabaseError):
+        d = store_db.open_db(bad, create=False)
+        with d.session() as s:
+            s.scalar(select(func.count()).select_from(Trial))
+    v = inspect.verify(store_db.open_db(bad, create=False, check_schema=False))
+    assert not v.ok and v.integrity != ["ok"]
+
+
+def test_newer_schema_refused(db_path):
+    store_db.open_db(db_path).dispose()
+    with sqlite3.connect(db_path) as c:
+        c.execute("UPDATE alembic_version SET version_num='0099'")
+    with pytest.raises(SchemaError, match="newer than this k3tune"):
+        store_db.open_db(db_path)
+    with pytest.raises(SchemaError, match="newer"):
+        store_db.upgrade(db_path)
+
+
+def test_upgrade_from_schema_0001(tmp_path):
+    old = tmp_path / "old.sqlite"
+    shutil.copy(DATA / "schema_0001.sqlite", old)
+    with pytest.raises(SchemaError, match="k3tune db upgrade"):
+        store_db.open_db(old)
+    assert store_db.upgrade(old) == ("0001", store_db.head_revision())
+    db = store_db.open_db(old)
+    with db.session() as s:
+        assert s.scalar(select(func.count()).select_from(Trial)) == 1
+        assert s.scalar(select(func.count()).select_from(Winner)) == 1
+    assert (tmp_path / "old.sqlite.bak").exists()
+
+
+def test_trials_are_idempotent(any_db_url):
+    db, hw, pid, run = _setup(any_db_url)
+    for _ in range(2):
+        with db.session() as s:
+            records.record_trials(s, run, hw, Backend.simulated, [_rec(pid, i) for i in range(5)])
+    with db.session() as s:
+        assert s.scalar(select(func.count()).select_from(Trial)) == 5
+
+
+def _writer(url, worker, n):
+    db = store_db.open_db(url)
+    with db.session() as s:
+        hw = records.hardware_id(s, FP)
+        pid = records.problem_ids(s, [PROBLEM])[PROBLEM]
+    for i in range(n):
+        with db.session() as s:  # one transaction per trial, as the sweep commits them
+            records.record_trials(s, 1, hw, Backend.simulated, [_rec(pid, worker * 1000 + i)])
+    db.dispose()
+
+
+def test_sixteen_concurrent_writers_lose_nothing(any_db_url):
+    _setup(any_db_url)[0].dispose()
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_writer, args=(any_db_url, w, 40)) for w in range(16)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert [p.exitcode for p in procs] == [0] * 16
+    db = store_db.open_db(any_db_url)
+    with db.session() as s:
+        assert s.scalar(select(func.count()).select_from(Trial)) == 16 * 40
+
+
+def _winner(db, hw, pid, median, family="gemm.cublas"):
+    with db.session() as s:
+        records.save_winner(s, hardware_id=hw, problem_id=pid, op_digest="od", backend=Backend.simulated, family=family,
+                            family_digest="fd", params={}, median_us=median, spread_us=0.01, default_us=None, ties=[],
+                            trials=3, run_id=None, origin="")
+
+
+def test_export_merge_diff(tmp_path):
+    a, hw, pid, run = _setup(tmp_path / "a.sqlite")
+    with a.session() as s:
+        records.record_trials(s, run, hw, Backend.simulated, [_rec(pid, i) for i in range(4)])
+    _winner(a, hw, pid, 5.0)
+    b, hw_b, pid_b, run_b = _setup(tmp_path / "b.sqlite")
+    with b.session() as s:
+        records.record_trials(s, run_b, hw_b, Backend.simulated, [_rec(pid_b, i) for i in range(2, 7)])
+    _winner(b, hw_b, pid_b, 4.0, family="gemm.smallm")
+
+    st = transfer.export(a, tmp_path / "ship.sqlite")
+    assert st.winners_added == 1
+    ship = store_db.open_db(tmp_path / "ship.sqlite")
+    with ship.session() as s:
+        assert s.scalar(select(func.count()).select_from(Trial)) == 0
+        assert s.scalar(select(Winner.median_us)) == 5.0
+    assert not list(tmp_path.glob(".ship*"))  # no temp file left behind
+
+    st = transfer.merge(tmp_path / "all.sqlite", [a, b])
+    assert st.winners_added == 1 and st.winners_replaced == 1
+    merged = store_db.open_db(tmp_path / "all.sqlite")
+    with merged.session() as s:
+        assert s.scalar(select(func.count()).select_from(Trial)) == 7  # 0..6, the overlap once
+        w = s.scalar(select(Winner))
+        assert (w.family, w.median_us) == ("gemm.smallm", 4.0) and "b.sqlite" in w.origin
+    d = inspect.diff(b, a)
+    assert d["counts"] == {"regression": 1}
+
+
+def test_failed_merge_leaves_target_untouched(tmp_path):
+    a, *_ = _setup(tmp_path / "a.sqlite")
+    target = tmp_path / "target.sqlite"
+    target.write_text("not a database")
+    with pytest.raises(DatabaseError):
+        transfer.merge(target, [a])
+    assert target.read_text() == "not a database"
