@@ -85,13 +85,15 @@ def sweep(
                "problems": stats.problems_total, "already_done": stats.problems_done_before,
                "tuned_now": stats.problems_done, "trials": stats.trials, "failed_trials": stats.failed,
                "reused_trials": stats.reused, "workers_replaced": stats.workers_replaced,
-               "no_winner": stats.no_winner, "skipped_ops": stats.skipped_ops, "seconds": round(stats.seconds, 1)}
+               "no_winner": stats.no_winner, "refused_stored_trials": stats.refused, "skipped_ops": stats.skipped_ops, "seconds": round(stats.seconds, 1)}
     if json:
         print_json(summary)
         return
     console.print(f"{stats.problems_done} problems tuned now, {stats.problems_done_before} already done, "
                   f"{stats.trials} trials ({stats.failed} failed, {stats.workers_replaced} workers replaced) "
                   f"in {stats.seconds:.1f} s -> {summary['database']}")
+    for r in stats.refused[:10]:
+        console.print(f"[yellow]refused stored trial outside the declared space:[/] {r}")
     for op, why in stats.skipped_ops.items():
         console.print(f"[yellow]skipped[/] {op}: {why}")
     if stats.no_winner:

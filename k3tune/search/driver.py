@@ -55,6 +55,7 @@ class SweepStats:
     reused: int = 0
     workers_replaced: int = 0
     no_winner: list[str] = field(default_factory=list)
+    refused: list[str] = field(default_factory=list)  # stored trials outside the declared space
     skipped_ops: dict[str, str] = field(default_factory=dict)
     best_speedup: float | None = None  # best winner-vs-default ratio so far
     last: str = ""
@@ -140,9 +141,11 @@ def run_sweep(opt: SweepOptions) -> SweepStats:
         with opt.db.session() as s:
             stored = records.stored_trials(s, hw_id, pid, {f.name: fam_digests[f.name] for f in fams})
         near = sorted(neighbours.get(p.op, []), key=lambda n: _neighbour_distance(n[0], p))[:2]
-        stats.reused += len(stored)
-        return ProblemSearch(p, fams, opt.spec.search, seed=opt.spec.search.seed + pid, stored=stored,
-                             warm=[(f, prm) for _, f, prm in near])
+        search = ProblemSearch(p, fams, opt.spec.search, seed=opt.spec.search.seed + pid, stored=stored,
+                               warm=[(f, prm) for _, f, prm in near])
+        stats.reused += len(stored) - len(search.refused)
+        stats.refused.extend(search.refused)
+        return search
 
     def finish(pid: int, search: ProblemSearch) -> None:
         d = search.decision

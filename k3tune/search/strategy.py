@@ -87,7 +87,13 @@ class ProblemSearch:
         for f in self.families:
             for k, choices in self.space[f.name].items():
                 self.dists[f"{f.name}:{k}"] = CategoricalDistribution(list(choices))
+        self.refused: list[str] = []
         for t in self.stored:
+            try:  # a stored trial outside the declared space is refused: never reused, never launched
+                self.fams[t.family].config_from_params(self.problem, t.params)
+            except (CannotImplement, KeyError) as e:
+                self.refused.append(f"{self.problem.key} {t.family} {t.params_key}: {e}")
+                continue
             self._absorb(Candidate(t.family, t.params, t.params_key, t.round), t.status.value, t.median_us, t.spread_us)
         seeds = [(f, f.default_config(self.problem)) for f in self.families]
         for fam_name, params in self.warm:
