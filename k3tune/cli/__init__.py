@@ -22,7 +22,18 @@ app.command("lookup")(lookup_cmd.lookup)
 app.add_typer(db_cmd.app, name="db")
 
 
+def _bare_simulate(argv: list[str]) -> list[str]:
+    """``--simulate`` with no value means the detected or configured hardware ('auto')."""
+    out = []
+    for i, a in enumerate(argv):
+        out.append(a)
+        if a == "--simulate" and (i + 1 == len(argv) or argv[i + 1].startswith("-")):
+            out.append("auto")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = _bare_simulate(list(sys.argv[1:] if argv is None else argv))
     try:
         rv = app(args=argv, prog_name="k3tune", standalone_mode=False)
         return rv if isinstance(rv, int) else 0

@@ -28,7 +28,7 @@ def _visible_gpus() -> int:
 
 def sweep(
     gpus: Annotated[int | None, typer.Option("--gpus", help="Worker processes, one per GPU (default: all visible GPUs).")] = None,
-    simulate: Annotated[str | None, typer.Option("--simulate", flag_value="auto", is_flag=False,
+    simulate: Annotated[str | None, typer.Option("--simulate",
                                                   help="Use the analytic roofline backend for this hardware "
                                                        "(gb300, b200, h200, h100); bare --simulate: the detected "
                                                        "or configured hardware. Records say 'simulated'.")] = None,

@@ -1,0 +1,116 @@
+"""The command line: every command has help; read commands speak JSON; known errors are one line and a
+non-zero exit, with the traceback behind K3TUNE_DEBUG=1."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from k3tune.cli import app, main
+
+COMMANDS = [[], ["sweep"], ["plan"], ["lookup"], ["db"], ["db", "show"], ["db", "verify"], ["db", "export"],
+            ["db", "merge"], ["db", "diff"], ["db", "upgrade"]]
+
+
+@pytest.mark.parametrize("cmd", COMMANDS, ids=lambda c: " ".join(c) or "k3tune")
+def test_every_command_has_help_with_an_example(cmd, capsys):
+    assert main(cmd + ["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "Usage" in out
+    if len(cmd) == 2 or cmd in (["sweep"], ["plan"], ["lookup"]):
+        assert "Example" in out
+
+
+def test_sweep_show_lookup_verify_roundtrip(tmp_path, capsys):
+    db = str(tmp_path / "t.sqlite")
+    assert main(["sweep", "--gpus", "2", "--simulate", "gb300", "--spec", "smoke", "--db", db, "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["tuned_now"] == 48 and summary["backend"] == "simulated gb300"
+    assert main(["sweep", "--gpus", "2", "--simulate", "gb300", "--spec", "smoke", "--db", db, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["trials"] == 0  # resumed: nothing left to do
+
+    assert main(["db", "show", db, "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert sum(info["winners_by_op"].values()) == 48 and info["hardware"][0]["simulated"]
+
+    assert main(["lookup", "--tp", "16", "--batch", "8", "--draft", "1", "--db", db, "--simulate", "gb300", "--json"]) == 0
+    look = json.loads(capsys.readouterr().out)
+    by_op = {o["op"]: o for o in look["ops"]}
+    assert by_op["kda.qkvg_proj"]["source"] == "simulated"
+    assert by_op["mla.q_a"]["source"] == "heuristic default"  # not in the smoke spec
+
+    assert main(["db", "verify", db, "--spec", "smoke", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["ok"]
+    assert main(["db", "verify", db, "--json"]) == 1  # the default matrix is not covered
+    capsys.readouterr()
+
+    ship = str(tmp_path / "ship.sqlite")
+    assert main(["db", "export", db, ship]) == 0
+    assert "exported 48 winners" in capsys.readouterr().out
+    assert main(["db", "diff", db, ship, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["counts"] == {"same": 48}
+    assert main(["db", "merge", str(tmp_path / "m.sqlite"), db, ship]) == 0
+    assert main(["db", "upgrade", db]) == 0
+    assert "already at schema" in capsys.readouterr().out
+
+
+def test_plan_json(capsys):
+    assert main(["plan", "--spec", "smoke", "--json"]) == 0
+    p = json.loads(capsys.readouterr().out)
+    assert p["deployments"] == 8 and sum(len(v) for v in p["problems"].values()) == 48
+
+
+@pytest.mark.parametrize("argv, msg, code", [
+    (["sweep", "--simulate", "rtx4090"], "unknown hardware 'rtx4090'", 3),
+    (["sweep", "--gpus", "2"], "no CUDA GPU found", 3),
+    (["lookup", "--tp", "16", "--batch", "0"], "batch 0 out of range", 2),
+    (["lookup", "--tp", "8", "--batch", "4", "--dcp", "16"], "dcp 16 invalid", 2),
+    (["plan", "--spec", "/nonexistent.toml"], "sweep spec not found", 2),
+    (["db", "show", "/nonexistent.sqlite"], "database not found", 4),
+])
+def test_known_errors_are_one_line(argv, msg, code, capsys):
+    assert main(argv) == code
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and msg in err and "\n" not in err
+
+
+def test_bad_files_are_one_line_and_untouched(tmp_path, capsys):
+    notdb = tmp_path / "x.sqlite"
+    notdb.write_text("hello")
+    assert main(["sweep", "--simulate", "gb300", "--spec", "smoke", "--db", str(notdb)]) == 4
+    assert "is not a SQLite database" in capsys.readouterr().err
+    assert notdb.read_text() == "hello"
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[matrix")
+    assert main(["plan", "--spec", str(bad)]) == 2
+    assert "malformed TOML" in capsys.readouterr().err
+    cfg = tmp_path / "config.json"
+    cfg.write_text("{")
+    assert main(["plan", "--config", str(cfg)]) == 2
+    assert "not valid JSON" in capsys.readouterr().err
+
+
+def test_debug_shows_traceback(monkeypatch):
+    monkeypatch.setenv("K3TUNE_DEBUG", "1")
+    from k3tune.errors import HardwareError
+
+    with pytest.raises(HardwareError):
+        main(["sweep", "--simulate", "rtx4090"])
+
+
+def test_newer_schema_via_cli(tmp_path, capsys):
+    import sqlite3
+
+    db = tmp_path / "n.sqlite"
+    assert main(["sweep", "--simulate", "gb300", "--spec", "smoke", "--db", str(db), "--json"]) == 0
+    capsys.readouterr()
+    with sqlite3.connect(db) as c:
+        c.execute("update alembic_version set version_num='0042'")
+    assert main(["db", "show", str(db)]) == 4
+    assert "newer than this k3tune" in capsys.readouterr().err
+
+
+def test_typer_app_object_is_importable():
+    assert app.info.name == "k3tune"
+    assert shutil.which("k3tune") or Path(__file__).exists()

@@ -1,0 +1,119 @@
+"""The runtime selector: dense tables, sources, nearest buckets, and safe fallbacks that never raise in the
+serving path."""
+
+import logging
+import sqlite3
+
+import pytest
+
+from k3tune.errors import ConfigError
+from k3tune.plan import hardware, model, spec
+from k3tune.runtime import Selector
+from k3tune.search.driver import SweepOptions, run_sweep
+from k3tune.store import db as store_db
+
+GB300 = hardware.spec("gb300")
+
+
+@pytest.fixture(scope="module")
+def smoke_db(tmp_path_factory):
+    path = tmp_path_factory.mktemp("rt") / "smoke.sqlite"
+    db = store_db.open_db(path)
+    run_sweep(SweepOptions(spec.load("smoke"), model.load(), db, "simulated", 2, hw=GB300))
+    db.dispose()
+    return path
+
+
+def test_tuned_entries_are_served_as_simulated(smoke_db):
+    sel = Selector.load(smoke_db, simulated="gb300")
+    c = sel.lookup("kda.qkvg_proj", tp=16, batch=8, draft=1)
+    assert c.source == "simulated" and c.problem == c.tuned_problem == "kda.qkvg_proj[M=16,N=3072,K=7168]"
+    assert c.median_us > 0
+    c1 = sel.lookup("kda.qkvg_proj", tp=8, batch=1)
+    assert c1.source == "simulated" and c1.problem.startswith("kda.qkvg_proj[M=1,")
+
+
+def test_every_deployment_is_covered_without_exceptions(smoke_db):
+    sel = Selector.load(smoke_db, simulated="gb300")
+    for tp in (8, 16):
+        for dcp in (1, 2, 4, 8):
+            for batch in range(1, 65):
+                for draft in range(8):
+                    for op in ("kda.o_proj", "mla.decode", "moe.block", "kda.decode"):
+                        c = sel.lookup(op, tp, batch, draft, dcp, 20000)
+                        assert c.family
+
+
+def test_untuned_size_uses_nearest_bucket_above_and_warns_once(smoke_db, caplog):
+    sel = Selector.load(smoke_db, simulated="gb300")
+    with caplog.at_level(logging.WARNING, logger="k3tune.runtime"):
+        c = sel.lookup("kda.o_proj", tp=16, batch=3)  # M=3: the smoke sweep tuned M in {1, 2, 8, 16}
+        sel.lookup("kda.o_proj", tp=16, batch=4)
+    assert c.source == "nearest bucket (simulated)" and "M=8" in c.tuned_problem
+    assert sum("untuned" in r.message for r in caplog.records) == 1
+
+
+def test_simulated_winners_are_never_served_as_measurements(smoke_db):
+    fp = hardware.Fingerprint("NVIDIA GB300", "10.3", 160, 288, "580", "13.0", False)
+    sel = Selector.load(smoke_db, fingerprint=fp)
+    c = sel.lookup("kda.qkvg_proj", tp=16, batch=8, draft=1)
+    assert c.source == "heuristic default" and c.family == "gemm.cublas"
+    assert any("not NVIDIA GB300" in w for w in sel.warnings)
+
+
+def test_no_database_and_other_hardware_give_defaults(smoke_db, tmp_path):
+    sel = Selector.load(tmp_path / "missing.sqlite", simulated="gb300")
+    assert sel.lookup("moe.block", 16, 4).source == "heuristic default"
+    assert sel.warnings
+    other = Selector.load(smoke_db, simulated="h100")
+    assert other.lookup("kda.o_proj", 16, 8).source == "heuristic default"
+    assert any("tuned for" in w for w in other.warnings)
+
+
+def test_corrupt_database_gives_defaults(tmp_path):
+    bad = tmp_path / "bad.sqlite"
+    bad.write_bytes(b"SQLite format 3\x00" + b"\x07" * 5000)
+    sel = Selector.load(bad, simulated="gb300")
+    assert sel.lookup("kda.o_proj", 8, 1).source == "heuristic default"
+    assert any("cannot" in w for w in sel.warnings)
+
+
+def test_stale_digest_and_out_of_space_winners_are_not_served(smoke_db, tmp_path):
+    path = tmp_path / "edited.sqlite"
+    src, dst = sqlite3.connect(smoke_db), sqlite3.connect(path)
+    src.backup(dst)
+    src.close()
+    pid_qkv = dst.execute("select id from problems where key='kda.qkvg_proj[M=16,N=3072,K=7168]'").fetchone()[0]
+    pid_o = dst.execute("select id from problems where key='kda.o_proj[M=16,N=7168,K=768]'").fetchone()[0]
+    dst.execute("update winners set op_digest='0000' where problem_id=?", (pid_qkv,))
+    dst.execute("update winners set family='gemm.smallm', params='{\"rows_per_cta\": 3, \"warps\": 4, \"split_k\": 1}' "
+                "where problem_id=?", (pid_o,))
+    dst.commit()
+    dst.close()
+    sel = Selector.load(path, simulated="gb300")
+    assert sel.lookup("kda.qkvg_proj", 16, 8, 1).source == "heuristic default"
+    assert sel.lookup("kda.o_proj", 16, 8, 1).family != "gemm.smallm" or \
+        dict(sel.lookup("kda.o_proj", 16, 8, 1).params)["rows_per_cta"] != 3
+    assert any("stale" in w for w in sel.warnings)
+    assert any("outside the declared space" in w for w in sel.warnings)
+
+
+@pytest.mark.parametrize("args, msg", [
+    (dict(op="kda.o_proj", tp=8, batch=0), "batch 0"),
+    (dict(op="kda.o_proj", tp=8, batch=65), "batch 65"),
+    (dict(op="kda.o_proj", tp=8, batch=4, dcp=16), "dcp 16"),
+    (dict(op="kda.o_proj", tp=8, batch=4, draft=9), "draft length 9"),
+    (dict(op="nope", tp=8, batch=4), "unknown op"),
+    (dict(op="kda.o_proj", tp=5, batch=4), "tp 5 does not divide"),
+])
+def test_bad_lookups_raise_clear_errors(smoke_db, args, msg):
+    sel = Selector.load(smoke_db, simulated="gb300")
+    with pytest.raises(ConfigError, match=msg):
+        sel.lookup(**args)
+
+
+def test_table_hash_agrees_across_loads_and_changes_with_content(smoke_db, tmp_path):
+    a = Selector.load(smoke_db, simulated="gb300")
+    b = Selector.load(smoke_db, simulated="gb300")
+    assert a.hash == b.hash
+    assert Selector.load(tmp_path / "none.sqlite", simulated="gb300").hash != a.hash

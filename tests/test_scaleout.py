@@ -1,0 +1,60 @@
+"""Several machines sharing one sweep through a real PostgreSQL server: problems are claimed without
+overlap, and a crashed machine's expired claims are taken over."""
+
+import subprocess
+import sys
+from datetime import timedelta
+
+import pytest
+from sqlalchemy import func, select, update
+
+from k3tune.plan import hardware, model, spec
+from k3tune.search.driver import SweepOptions, run_sweep
+from k3tune.store import db as store_db
+from k3tune.store.models import Claim, Trial, Winner, utcnow
+
+pytestmark = pytest.mark.postgres
+
+
+def _sweep_cmd(url):
+    return [sys.executable, "-m", "k3tune", "sweep", "--gpus", "2", "--simulate", "gb300", "--spec", "smoke",
+            "--db", url, "--json"]
+
+
+def test_two_machines_share_one_sweep_without_overlap(pg_url):
+    store_db.open_db(pg_url).dispose()  # schema first, so both start on an initialised database
+    procs = [subprocess.Popen(_sweep_cmd(pg_url), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [o[1][-1500:] for o in outs]
+    db = store_db.open_db(pg_url)
+    with db.session() as s:
+        per_problem = s.execute(select(Trial.problem_id, func.count(func.distinct(Trial.run_id)))
+                                .where(Trial.round == 0).group_by(Trial.problem_id)).all()
+        runs_used = s.scalar(select(func.count(func.distinct(Trial.run_id))))
+        winners = s.scalar(select(func.count()).select_from(Winner))
+        states = dict(s.execute(select(Claim.state, func.count()).group_by(Claim.state)).all())
+    assert all(n == 1 for _, n in per_problem)  # no problem was searched by both machines
+    assert runs_used == 2  # both did work
+    assert winners == 48 and states == {"done": 48}
+
+
+def test_expired_claims_of_a_crashed_machine_are_taken_over(pg_url):
+    sp = spec.load("smoke")
+    db = store_db.open_db(pg_url)
+    gb300 = hardware.spec("gb300")
+    opts = SweepOptions(sp, model.load(), db, "simulated", 2, hw=gb300, lease_s=60)
+    first = run_sweep(opts)
+    assert first.problems_done == 48
+    # pretend a machine on another host claimed 5 problems, then crashed: its lease has run out
+    with db.session() as s:
+        ids = s.scalars(select(Claim.id).order_by(Claim.id).limit(5)).all()
+        s.execute(update(Claim).where(Claim.id.in_(ids)).values(state="claimed", owner="deadhost:1:999",
+                                                                expires_at=utcnow() - timedelta(seconds=1)))
+        s.execute(Winner.__table__.delete().where(Winner.problem_id.in_(
+            select(Claim.problem_id).where(Claim.id.in_(ids)))))
+    again = run_sweep(opts)
+    assert again.problems_done == 5
+    with db.session() as s:
+        assert s.scalar(select(func.count()).select_from(Winner)) == 48
+        assert s.scalar(select(func.count()).select_from(Claim).where(Claim.state != "done")) == 0
