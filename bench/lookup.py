@@ -2,8 +2,9 @@
 
     python bench/lookup.py [--db PATH] [--lookups 1000000]
 
-Without --db (or if PATH does not exist) it first builds the database with a real simulated sweep of the
-default matrix (gb300, 16 workers) with a larger search budget, so that it holds ~100k trials.
+It first makes sure the database holds --trials trials (default 100k), with real simulated sweeps of the
+default matrix (16 workers, a larger search budget) for gb300, then b200, h200, h100 as needed: a database
+shared by several GPU kinds. Lookups are served from the gb300 winners.
 Load is timed in fresh processes (imports done before the clock starts) and again warm; lookups are timed
 one by one over random deployments of the whole matrix (every op, batch 1-64, draft 0-7, tp, dcp,
 context), and reported as percentiles with the timer's own overhead shown alongside.
@@ -28,7 +29,11 @@ t = time.perf_counter(); Selector.load(sys.argv[1], simulated="gb300"); print(ti
 """
 
 
-def build(path: Path) -> None:
+def build(path: Path, target: int) -> None:
+    """Real simulated sweeps of the default matrix (16 workers, a larger budget) for one hardware after
+    another until the database holds ``target`` trials: a database shared by several GPU kinds."""
+    import sqlite3
+
     from k3tune.plan import hardware, model, spec
     from k3tune.search.driver import SweepOptions, run_sweep
     from k3tune.store.db import open_db
@@ -36,9 +41,15 @@ def build(path: Path) -> None:
     sp = spec.load()
     sp = spec.SweepSpec(**{**sp.__dict__, "search": spec.SearchSettings(budget=110, patience=110, remeasure_top=3,
                                                                          samples=5, seed=0)})
-    t = time.perf_counter()
-    st = run_sweep(SweepOptions(sp, model.load(), open_db(path), "simulated", 16, hw=hardware.spec("gb300")))
-    print(f"built {path}: {st.trials} trials over {st.problems_total} problems in {time.perf_counter() - t:.0f} s")
+    for hw in ("gb300", "b200", "h200", "h100"):
+        with sqlite3.connect(path) as c:
+            have = c.execute("select count(*) from trials").fetchone()[0] if c.execute(
+                "select name from sqlite_master where name='trials'").fetchone() else 0
+        if have >= target:
+            break
+        t = time.perf_counter()
+        st = run_sweep(SweepOptions(sp, model.load(), open_db(path), "simulated", 16, hw=hardware.spec(hw)))
+        print(f"{hw}: {st.trials} trials over {st.problems_total} problems in {time.perf_counter() - t:.0f} s")
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -50,10 +61,10 @@ def main() -> None:
     ap.add_argument("--db", type=Path, default=Path("bench/results/lookup-bench.sqlite"))
     ap.add_argument("--lookups", type=int, default=1_000_000)
     ap.add_argument("--loads", type=int, default=7)
+    ap.add_argument("--trials", type=int, default=100_000, help="build the database up to this many trials")
     args = ap.parse_args()
-    if not args.db.exists():
-        args.db.parent.mkdir(parents=True, exist_ok=True)
-        build(args.db)
+    args.db.parent.mkdir(parents=True, exist_ok=True)
+    build(args.db, args.trials)
     import sqlite3
 
     with sqlite3.connect(args.db) as c:

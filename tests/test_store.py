@@ -169,3 +169,7 @@ def test_failed_merge_leaves_target_untouched(tmp_path):
     with pytest.raises(DatabaseError):
         transfer.merge(target, [a])
     assert target.read_text() == "not a database"
+
+
+def test_schema_head_constant_matches_migrations():
+    assert store_db.SCHEMA_HEAD == store_db.script_head_revision()

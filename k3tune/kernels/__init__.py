@@ -37,11 +37,16 @@ def _check_backend(backend: str) -> None:
         raise ConfigError(f"unknown backend '{backend}' (known: {', '.join(BACKENDS)})")
 
 
+@functools.cache
+def _candidates(kind: str, backend: str) -> tuple[KernelFamily, ...]:
+    _check_backend(backend)
+    found = [f for f in FAMILIES.values() if backend in f.backends and kind in f.kinds]
+    return tuple(sorted(found, key=lambda f: (f.priority, f.name)))
+
+
 def families_for(problem: Problem, backend: str) -> list[KernelFamily]:
     """Families that implement the problem and may run on the backend, safest first."""
-    _check_backend(backend)
-    found = [f for f in FAMILIES.values() if backend in f.backends and f.can_implement(problem)]
-    return sorted(found, key=lambda f: (f.priority, f.name))
+    return [f for f in _candidates(problem.kind, backend) if f.can_implement(problem)]
 
 
 @functools.cache

@@ -21,8 +21,9 @@ def make_inputs(problem: Problem, device, generator) -> dict:
 
     m, n, k = problem["M"], problem["N"], problem["K"]
     # scaled so that outputs stay O(1): errors are then relative to a meaningful norm
-    x = torch.randn(m, k, generator=generator, device="cpu").to(device=device, dtype=torch.bfloat16)
-    w = (torch.randn(n, k, generator=generator, device="cpu") / k**0.5).to(device=device, dtype=torch.bfloat16)
+    # generated where they live (the generator's device): rotation sets of hundreds of MB stay cheap
+    x = torch.randn(m, k, generator=generator, device=device).to(torch.bfloat16)
+    w = (torch.randn(n, k, generator=generator, device=device) / k**0.5).to(torch.bfloat16)
     return {"x": x, "w": w}
 
 

@@ -1,13 +1,22 @@
-"""Small-M decode GEMM (M <= 16): CUDA-core FMA, 16-byte weight loads, K split across warps and CTAs.
+"""Small-M decode GEMM (M <= 16) in CuTe DSL: y[M,N] = x[M,K] @ W[N,K]^T, bf16 in and out, fp32 accumulation.
 
-Space declared here for the simulated backend; the CuTe DSL kernel lands with the GEMM issue, until then the
-family is ``declared_only`` and never offered to a GPU sweep.
-Knobs: output rows per CTA, warps per CTA, split-K across CTAs (reduced by a second pass).
+CUDA-core FMA. Each CTA owns ``rows_per_cta`` rows of W (output columns) and one of ``split_k`` slices of K;
+its warps stride over the slice in 16-byte vectors (8 bf16 per lane per load, non-coherent ``ld.global.nc.v4``),
+keep one fp32 accumulator per (row, token) in registers, reduce across lanes with shuffles and across warps
+through shared memory. With ``split_k > 1`` each slice writes fp32 partials to a workspace and a second,
+deterministic kernel sums them in slice order and writes bf16 (no atomics: results are reproducible).
+
+Constraints: M <= 16 (a compile-time constant: one binary per M), K a multiple of 8 x split_k, N a multiple of
+rows_per_cta, 16-byte aligned rows. N and K are dynamic: one compile serves every projection of a given M.
+Launches take the caller's stream, so they can be captured in a CUDA graph.
+
+Run the numerics check on a GPU: ``pytest -m gpu tests/test_gpu_kernels.py``.
 """
 
-from __future__ import annotations
 
+import functools
 import math
+import os
 from dataclasses import dataclass
 
 from k3tune.kernels import gemm_common
@@ -16,6 +25,8 @@ from k3tune.plan.problems import Problem
 
 MAX_M = 16
 VEC = 8  # bf16 elements per 16-byte load
+MAX_SPLIT = 16
+MAX_ACC = 64  # fp32 accumulators per thread (rows x tokens) before registers spill
 
 
 @dataclass(frozen=True)
@@ -29,17 +40,16 @@ class SmallMGemm(KernelFamily):
     name = "gemm.smallm"
     kinds = frozenset({"gemm"})
     config_cls = SmallMConfig
-    backends = frozenset({"simulated"})
-    declared_only = True
+    backends = frozenset({"gpu", "simulated"})
     priority = 30
 
     def can_implement(self, problem: Problem) -> bool:
         return super().can_implement(problem) and problem["M"] <= MAX_M and problem["K"] % VEC == 0
 
     def space(self, problem: Problem) -> dict[str, tuple]:
-        n = problem["N"]
+        n, m = problem["N"], problem["M"]
         return {
-            "rows_per_cta": tuple(r for r in (1, 2, 4, 8) if n % r == 0),
+            "rows_per_cta": tuple(r for r in (1, 2, 4, 8) if n % r == 0 and r * m <= MAX_ACC),
             "warps": (2, 4, 8),
             "split_k": (1, 2, 4, 8, 16),
         }
@@ -55,7 +65,7 @@ class SmallMGemm(KernelFamily):
         return SmallMConfig(rows_per_cta=4 if n % 4 == 0 else 1, warps=4, split_k=split)
 
     def work(self, problem: Problem, cfg: SmallMConfig) -> Work:
-        m, n, k = problem["M"], problem["N"], problem["K"]
+        m, n = problem["M"], problem["N"]
         ctas = math.ceil(n / cfg.rows_per_cta) * cfg.split_k
         partial = (cfg.split_k - 1) * m * n * 4 * 2
         return Work(
@@ -67,3 +77,154 @@ class SmallMGemm(KernelFamily):
             launches=2 if cfg.split_k > 1 else 1,
             extra_us=0.15 * math.log2(cfg.split_k) + 0.02 * m * cfg.rows_per_cta,
         )
+
+    # ---- the measurer's interface --------------------------------------------------------------
+    def make_inputs(self, problem: Problem, device, generator) -> dict:
+        import torch
+
+        inputs = gemm_common.make_inputs(problem, device, generator)
+        m, n = problem["M"], problem["N"]
+        inputs["out"] = torch.empty(m, n, dtype=torch.bfloat16, device=device)
+        inputs["ws"] = torch.empty(MAX_SPLIT, m, n, dtype=torch.float32, device=device)
+        return inputs
+
+    def weight_names(self, problem: Problem) -> tuple[str, ...]:
+        return ("w",)
+
+    def reference(self, problem: Problem, inputs: dict):
+        return gemm_common.reference(problem, inputs)
+
+    def build(self, problem: Problem, cfg: SmallMConfig):
+        import torch
+        from cuda.bindings import driver as cuda
+        from cutlass.cute.runtime import from_dlpack
+
+        fn = compiled(problem["M"], cfg.rows_per_cta, cfg.warps, cfg.split_k, current_arch())
+
+        def run(inputs: dict):
+            x = from_dlpack(inputs["x"], assumed_align=16).mark_compact_shape_dynamic(mode=1, divisibility=VEC)
+            w = (from_dlpack(inputs["w"], assumed_align=16).mark_compact_shape_dynamic(mode=0)
+                 .mark_compact_shape_dynamic(mode=1, divisibility=VEC))
+            y = from_dlpack(inputs["out"], assumed_align=16).mark_compact_shape_dynamic(mode=1)
+            ws = (from_dlpack(inputs["ws"], assumed_align=16).mark_compact_shape_dynamic(mode=0)
+                  .mark_compact_shape_dynamic(mode=2))
+            fn(x, w, y, ws, cuda.CUstream(torch.cuda.current_stream().cuda_stream))
+            return inputs["out"]
+
+        return run
+
+
+def current_arch() -> str:
+    """The arch to compile for: the local GPU's, else $CUTE_DSL_ARCH, else sm_90a."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            major, minor = torch.cuda.get_device_capability()
+            return f"sm_{major}{minor}a"
+    except ImportError:
+        pass
+    return os.environ.get("CUTE_DSL_ARCH", "sm_90a")
+
+
+@functools.cache
+def compiled(m: int, rows: int, warps: int, split: int, arch: str):
+    """Compile once per (M, rows, warps, split, arch); N and K are dynamic. Never call inside a capture."""
+    import cutlass.cute as cute
+    from cutlass import BFloat16, Float32
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+
+    os.environ["CUTE_DSL_ARCH"] = arch  # some checks read the environment, not the option
+    n, k = cute.sym_int(), cute.sym_int(divisibility=VEC)
+    x = make_fake_compact_tensor(BFloat16, (m, k), stride_order=(1, 0), assumed_align=16)
+    w = make_fake_compact_tensor(BFloat16, (n, k), stride_order=(1, 0), assumed_align=16)
+    y = make_fake_compact_tensor(BFloat16, (m, n), stride_order=(1, 0), assumed_align=16)
+    ws = make_fake_compact_tensor(Float32, (cute.sym_int(), m, n), stride_order=(2, 1, 0), assumed_align=16)
+    kernel = _kernel_class()(m, rows, warps, split)
+    return cute.compile(kernel, x, w, y, ws, make_fake_stream(), options=f"--gpu-arch {arch}")
+
+
+@functools.cache
+def _kernel_class():
+    """The CuTe DSL kernel, defined on first use so that importing k3tune never imports the DSL."""
+    import cutlass
+    import cutlass.cute as cute
+    from cuda.bindings import driver as cuda
+    from cutlass import BFloat16, Float32
+
+    class SmallMGemvKernel:
+        def __init__(self, m: int, rows: int, warps: int, split: int):
+            self.m, self.rows, self.warps, self.split = m, rows, warps, split
+
+        @cute.jit
+        def __call__(self, mX: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor, mWs: cute.Tensor,
+                     stream: cuda.CUstream):
+            n = mW.shape[0]
+            self.kernel(mX, mW, mY, mWs).launch(grid=(n // self.rows, self.split, 1),
+                                                block=(self.warps * 32, 1, 1), stream=stream)
+            if cutlass.const_expr(self.split > 1):
+                total = self.m * n
+                self.reduce(mWs, mY).launch(grid=((total + 255) // 256, 1, 1), block=(256, 1, 1), stream=stream)
+
+        @cute.kernel
+        def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor, mWs: cute.Tensor):
+            M, R, W = self.m, self.rows, self.warps
+            tidx, _, _ = cute.arch.thread_idx()
+            bidx, bidy, _ = cute.arch.block_idx()
+            warp = tidx // 32
+            lane = tidx % 32
+            chunks = mW.shape[1] // (VEC * self.split)  # 16-byte vectors in this CTA's K slice
+            c0 = bidy * chunks
+            n0 = bidx * R
+            gW = cute.zipped_divide(mW, (1, VEC))
+            gX = cute.zipped_divide(mX, (1, VEC))
+            w_atom = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), BFloat16, num_bits_per_copy=128, invariant=True)
+            x_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
+            acc = cute.make_rmem_tensor(cute.make_layout(R * M), Float32)
+            acc.fill(0.0)
+            rw = cute.make_rmem_tensor_like(gW[(None, (0, 0))])
+            rx = cute.make_rmem_tensor_like(gX[(None, (0, 0))])
+            for c in cutlass.range(warp * 32 + lane, chunks, W * 32):
+                cc = c0 + c
+                xs = []
+                for mi in cutlass.range_constexpr(M):
+                    cute.copy(x_atom, gX[(None, (mi, cc))], rx)
+                    xs.append(rx.load().to(Float32))
+                for r in cutlass.range_constexpr(R):
+                    cute.copy(w_atom, gW[(None, (n0 + r, cc))], rw)
+                    wv = rw.load().to(Float32)
+                    for mi in cutlass.range_constexpr(M):
+                        acc[r * M + mi] = acc[r * M + mi] + (wv * xs[mi]).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+            smem = cutlass.memory.SmemAllocator() if hasattr(cutlass, "memory") else cutlass.utils.SmemAllocator()
+            red = smem.allocate_tensor(Float32, cute.make_layout((W, R * M)), 16)
+            for i in cutlass.range_constexpr(R * M):
+                v = cute.arch.warp_reduction_sum(acc[i])
+                if lane == 0:
+                    red[warp, i] = v
+            cute.arch.sync_threads()
+            if tidx < R * M:
+                s = Float32(0.0)
+                for wi in cutlass.range_constexpr(W):
+                    s = s + red[wi, tidx]
+                r = tidx // M
+                mi = tidx % M
+                if cutlass.const_expr(self.split == 1):
+                    mY[mi, n0 + r] = s.to(BFloat16)
+                else:
+                    mWs[bidy, mi, n0 + r] = s
+
+        @cute.kernel
+        def reduce(self, mWs: cute.Tensor, mY: cute.Tensor):
+            tidx, _, _ = cute.arch.thread_idx()
+            bidx, _, _ = cute.arch.block_idx()
+            n = mY.shape[1]
+            idx = bidx * 256 + tidx
+            if idx < self.m * n:
+                mi = idx // n
+                ni = idx % n
+                s = Float32(0.0)
+                for j in cutlass.range_constexpr(self.split):  # fixed order: deterministic
+                    s = s + mWs[j, mi, ni]
+                mY[mi, ni] = s.to(BFloat16)
+
+    return SmallMGemvKernel

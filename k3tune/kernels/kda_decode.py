@@ -33,15 +33,15 @@ def make_inputs(problem: Problem, device, generator) -> dict:
     b, h, q, d = problem["batch"], problem["heads"], problem["qlen"], problem["head_dim"]
 
     def rnd(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=generator) * scale).to(device)
+        return torch.randn(*shape, generator=generator, device=device) * scale
 
     k = torch.nn.functional.normalize(rnd(b, q, h, d), dim=-1)
     return {
         "q": rnd(b, q, h, d, scale=d**-0.5).bfloat16(),
         "k": k.bfloat16(),
         "v": rnd(b, q, h, d).bfloat16(),
-        "g": (-torch.rand(b, q, h, d, generator=generator) * 0.5).to(device).bfloat16(),
-        "beta": torch.rand(b, q, h, generator=generator).to(device).bfloat16(),
+        "g": (-torch.rand(b, q, h, d, generator=generator, device=device) * 0.5).bfloat16(),
+        "beta": torch.rand(b, q, h, generator=generator, device=device).bfloat16(),
         "state": rnd(b, h, d, d, scale=0.1),
     }
 

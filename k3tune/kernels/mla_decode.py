@@ -32,8 +32,8 @@ def make_inputs(problem: Problem, device, generator) -> dict:
     b, q, h, c = problem["batch"], problem["qlen"], problem["heads"], problem["ctx"]
     w = problem["kv_lora"] + problem["rope"]
     return {
-        "q": torch.randn(b, q * h, w, generator=generator).to(device).bfloat16(),
-        "kv": torch.randn(b, c, w, generator=generator).to(device).bfloat16(),
+        "q": torch.randn(b, q * h, w, generator=generator, device=device).bfloat16(),
+        "kv": torch.randn(b, c, w, generator=generator, device=device).bfloat16(),
     }
 
 

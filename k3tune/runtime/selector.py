@@ -13,11 +13,14 @@ parameters outside the declared space give defaults and a warning, never an exce
 from __future__ import annotations
 
 import bisect
+import gc
 import hashlib
 import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+
+from sqlalchemy import select
 
 from k3tune.errors import CannotImplement, ConfigError, DatabaseError
 from k3tune.kernels import family as get_family
@@ -26,6 +29,8 @@ from k3tune.plan import hardware, model as models, problems as plans, spec as sp
 from k3tune.plan.hardware import Fingerprint
 from k3tune.plan.spec import MAX_BATCH, MAX_DRAFT
 from k3tune.shipped import tuning_db_dir
+from k3tune.store.db import Database
+from k3tune.store.models import Backend, Hardware, ProblemRow, Winner
 
 log = logging.getLogger("k3tune.runtime")
 
@@ -43,10 +48,7 @@ class Choice:
     problem: str  # the problem key this entry serves
     tuned_problem: str | None  # the problem whose winner it is (differs for nearest bucket)
     median_us: float | None
-
-    @property
-    def approx(self) -> bool:
-        return self.source.startswith("nearest")
+    approx: bool = False  # served from the nearest tuned bucket, not its own tuning
 
     def config(self):
         fam = get_family(self.family)
@@ -77,8 +79,10 @@ class Selector:
         self._qb = [None] + [specs.bucket(q, spec.query_buckets) for q in range(1, MAX_DRAFT + 2)]
         self._ctx = list(spec.context)
         self._ctx_exact = frozenset(self._ctx)
+        self._ctx_map = {c: c for c in self._ctx} | {None: self._ctx[-1]}
         self._winners: dict[str, dict[str, tuple]] = {}  # op -> problem key -> (family, params, median, label, dims)
         self._warned: set[str] = set()
+        self._ops: dict[str, tuple[int, dict]] = {}  # op -> (kind code, table): one dict hit per lookup
         self.hash = ""
 
     # ---- loading --------------------------------------------------------------------------------
@@ -88,6 +92,16 @@ class Selector:
              model: models.ModelConfig | None = None) -> Selector:
         """Load winners for this hardware. ``simulated='gb300'`` serves that simulated hardware's winners
         (labelled simulated); otherwise the detected GPU's measured winners (or ``fingerprint``'s)."""
+        gc_was_on = gc.isenabled()
+        gc.disable()  # thousands of small objects, none cyclic: collections would only cost time
+        try:
+            return cls._load(db, fingerprint, simulated, spec, model)
+        finally:
+            if gc_was_on:
+                gc.enable()
+
+    @classmethod
+    def _load(cls, db, fingerprint, simulated, spec, model) -> Selector:
         sel = cls(spec or specs.load(), model or models.load())
         if simulated:
             fp = hardware.simulated_fingerprint(hardware.spec(simulated))
@@ -111,11 +125,6 @@ class Selector:
         log.warning(msg)
 
     def _read(self, path, fp: Fingerprint) -> None:
-        from sqlalchemy import select
-
-        from k3tune.store.db import Database
-        from k3tune.store.models import Backend, Hardware, ProblemRow, Winner
-
         try:
             db = Database(path, readonly=True, create=False)
         except DatabaseError as e:
@@ -180,7 +189,8 @@ class Selector:
         if best:
             try:  # the neighbour's config must fit this problem too
                 get_family(best[1]).config_from_params(problem, dict(best[2]))
-                return Choice(problem.op, best[1], best[2], f"nearest bucket ({best[4]})", problem.key, best[5].key, best[3])
+                return Choice(problem.op, best[1], best[2], f"nearest bucket ({best[4]})", problem.key, best[5].key,
+                              best[3], approx=True)
             except CannotImplement:
                 pass
         fam, cfg = safe_default(problem)
@@ -216,6 +226,7 @@ class Selector:
         memo: dict[plans.Problem, Choice] = {}
         for op in plans.OPS.values():
             table = self._tables.setdefault(op.name, {})
+            self._ops[op.name] = (self._kind[op.name], table)
             for key, dep in self._cells(self._kind[op.name]):
                 p = plans.Problem(op.name, op.kind, op.dims(self.model, dep, self.spec))
                 table[key] = memo.get(p) or memo.setdefault(p, self._choose(p))
@@ -238,21 +249,23 @@ class Selector:
 
     def lookup(self, op: str, tp: int, batch: int, draft: int = 0, dcp: int = 1, context: int | None = None) -> Choice:
         """The kernel for one op of one deployment. Bad arguments raise ConfigError; anything else is served."""
-        if 0 < batch <= MAX_BATCH and 0 <= draft <= MAX_DRAFT and 0 < dcp <= tp and not tp % dcp:
-            kind = self._kind.get(op)
+        ent = self._ops.get(op)
+        if ent is not None and 0 < batch <= MAX_BATCH and 0 <= draft <= MAX_DRAFT and 0 < dcp <= tp and not tp % dcp:
+            kind, table = ent
             if kind == _GEMM:
-                key = (tp, self._tb[batch * (1 + draft)])
+                c = table.get((tp, self._tb[batch * (1 + draft)]))
             elif kind == _KDA:
-                key = (tp, self._bb[batch], self._qb[1 + draft])
-            elif kind == _MLA:
-                key = (tp, dcp, self._bb[batch], self._qb[1 + draft], self.context_bucket(context))
+                c = table.get((tp, self._bb[batch], self._qb[1 + draft]))
             else:
-                raise plans.op(op) and AssertionError  # unknown op: ConfigError
-            c = self._tables[op].get(key) or self._slow(op, tp, batch, draft, dcp, context)
+                ctx = self._ctx_map.get(context) or self.context_bucket(context)
+                c = table.get((tp, dcp, self._bb[batch], self._qb[1 + draft], ctx))
+            if c is None:
+                c = self._slow(op, tp, batch, draft, dcp, context)
             if c.approx and op not in self._warned:
                 self._warned.add(op)
                 self._warn(f"{op}: {c.problem} is untuned; serving the nearest tuned bucket {c.tuned_problem}")
             return c
+        plans.op(op)  # unknown op: ConfigError
         specs.validate_deployment_values(tp, batch, dcp, draft)
         raise AssertionError("unreachable")
 

@@ -80,13 +80,13 @@ class GpuBackend:
         except torch.cuda.OutOfMemoryError as e:
             torch.cuda.empty_cache()
             return Outcome("runtime_failed", error=f"out of memory: {str(e)[:300]}", compile_s=compile_s)
-        except (RuntimeError, torch.AcceleratorError if hasattr(torch, "AcceleratorError") else RuntimeError) as e:
+        except RuntimeError as e:  # CUDA errors (torch.AcceleratorError is one) poison the context
             return Outcome("runtime_failed", error=str(e)[:500], compile_s=compile_s, poisoned=True)
 
     def _check_and_time(self, fam, task: Task, run, compile_s: float) -> Outcome:
         import torch
 
-        gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+        gen = torch.Generator(device=self.device).manual_seed(int.from_bytes(os.urandom(4), "little"))
         inputs = fam.make_inputs(task.problem, self.device, gen)
         if "out" in inputs:
             inputs["out"].fill_(float("nan"))
@@ -98,28 +98,37 @@ class GpuBackend:
             return Outcome("wrong_result", error=f"relative error {err:.3g} > {tol:.3g}", compile_s=compile_s)
 
         sets = rotation_sets(fam, task.problem, inputs, gen)
-        launches = max(MIN_LAUNCHES, len(sets))
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm the allocator and any lazy init outside the capture
-            for s in sets[:2]:
-                run(s)
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for i in range(launches):
-                run(sets[i % len(sets)])
-        for _ in range(WARMUP_REPLAYS):
-            graph.replay()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(task.samples):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            graph.replay()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) * 1000.0 / launches)
-        del graph
+        times = time_graph(run, sets, task.samples)
         return summarize(times, compile_s=compile_s)
+
+
+def time_graph(run, sets: list[dict], samples: int) -> list[float]:
+    """Per-launch times (us) of ``run``: a CUDA graph of many launches cycling through the rotation sets,
+    warmed up, then replayed ``samples`` times between CUDA events."""
+    import torch
+
+    launches = max(MIN_LAUNCHES, len(sets))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm the allocator and any lazy init outside the capture
+        for s in sets[:2]:
+            run(s)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(launches):
+            run(sets[i % len(sets)])
+    for _ in range(WARMUP_REPLAYS):
+        graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(samples):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1000.0 / launches)
+    del graph
+    return times

@@ -1,0 +1,132 @@
+"""Dense decode GEMMs on the local GPU: the tuned choice, cuBLAS and (optionally) Inductor's
+max-autotune pick, side by side under identical decode conditions.
+
+    python bench/gemm.py --db tuning_db/h200.sqlite [--ms 1,2,4,8,16,32,64,128,256,512] [--inductor 1,8,64]
+
+Every variant of a problem runs in the same process, in a CUDA graph of many launches cycling through
+weight copies that exceed L2 several times (decode reads weights from HBM), after a warm-up; medians and
+interquartile ranges of the per-launch time are reported. The roofline floor is (weights + activations +
+output bytes) / measured copy bandwidth (a 2 GiB device-to-device copy, bytes read + written).
+Prints a table and writes JSON to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from k3tune.kernels import family
+from k3tune.plan import model as models, problems as plans, spec as specs
+from k3tune.runtime import Selector
+from k3tune.search.measure_gpu import rotation_sets, time_graph
+from k3tune.search.outcome import relative_error
+
+DENSE_OPS = [n for n, o in plans.OPS.items() if o.kind == "gemm"]
+
+
+def copy_bandwidth() -> float:
+    src = torch.empty(1 << 30, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    times = []
+    for _ in range(10):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    del src, dst
+    return 2 * (1 << 31) / statistics.median(times)
+
+
+def inductor_run(problem):
+    fn = torch.compile(lambda x, w: torch.matmul(x, w.t()), mode="max-autotune-no-cudagraphs", dynamic=False)
+    return lambda inputs: fn(inputs["x"], inputs["w"])
+
+
+def measure(run, fam, problem, samples: int) -> dict:
+    gen = torch.Generator(device="cuda").manual_seed(1234)
+    inputs = fam.make_inputs(problem, torch.device("cuda"), gen)
+    if "out" in inputs:
+        inputs["out"].fill_(float("nan"))
+    err = relative_error(run(inputs), fam.reference(problem, inputs))
+    sets = rotation_sets(fam, problem, inputs, gen)
+    t = sorted(time_graph(run, sets, samples))
+    q = statistics.quantiles(t, n=4)
+    return {"us": statistics.median(t), "iqr": q[2] - q[0], "err": err}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--db", default="tuning_db/h200.sqlite")
+    ap.add_argument("--ms", default="1,2,4,8,16,32,64,128,256,512")
+    ap.add_argument("--inductor", default="", help="M values at which to also time Inductor's pick (slow)")
+    ap.add_argument("--samples", type=int, default=15)
+    ap.add_argument("--out", default="bench-gemm.json")
+    args = ap.parse_args()
+    ms = [int(x) for x in args.ms.split(",")]
+    ind_ms = {int(x) for x in args.inductor.split(",") if x}
+    sp = specs.load()
+    model = models.load()
+    sel = Selector.load(args.db, spec=sp, model=model)
+    bw = copy_bandwidth()
+    dev = torch.cuda.get_device_name()
+    print(f"# {dev}, copy bandwidth {bw / 1e12:.2f} TB/s, db {args.db}, table {sel.hash}")
+    rows, seen = [], set()
+    cublas = family("gemm.cublas")
+    for tp in (8, 16):
+        for op in DENSE_OPS:
+            for m in ms:
+                # tokens per step m: batch m (m <= 64), else batch 64 with draft m/64 - 1
+                batch, draft = min(m, 64), max(0, m // 64 - 1)
+                p = plans.Problem(op, "gemm", plans.OPS[op].dims(model, plans.Deployment(tp, m, 1, 0, 8192), sp))
+                if (p.key, tp) in seen:
+                    continue
+                seen.add((p.key, tp))
+                choice = sel.lookup(op, tp, batch, draft)
+                fam = family(choice.family)
+                row = {"tp": tp, "op": op, "M": m, "N": p["N"], "K": p["K"], "choice": choice.family,
+                       "params": dict(choice.params), "source": choice.source}
+                floor = (p["N"] * p["K"] + m * p["K"] + m * p["N"]) * 2 / bw * 1e6
+                row["floor_us"] = floor
+                row["cublas"] = measure(cublas.build(p, cublas.default_config(p)), cublas, p, args.samples)
+                cfg = fam.config_from_params(p, dict(choice.params)) if fam.can_implement(p) else None
+                if cfg is not None and fam.name != "gemm.cublas":
+                    row["tuned"] = measure(fam.build(p, cfg), fam, p, args.samples)
+                else:
+                    row["tuned"] = row["cublas"]
+                if m in ind_ms:
+                    t0 = time.perf_counter()
+                    row["inductor"] = measure(inductor_run(p), cublas, p, args.samples)
+                    row["inductor"]["compile_s"] = time.perf_counter() - t0
+                rows.append(row)
+                ind = f" ind {row['inductor']['us']:7.2f}" if "inductor" in row else ""
+                print(f"tp{tp:<3}{op:18}M={m:<4}N={p['N']:<6}K={p['K']:<6} tuned {row['tuned']['us']:7.2f} "
+                      f"(±{row['tuned']['iqr']:.2f}) cublas {row['cublas']['us']:7.2f} (±{row['cublas']['iqr']:.2f})"
+                      f"{ind} speedup {row['cublas']['us'] / row['tuned']['us']:.2f}x roof {floor / row['tuned']['us']:.2f}"
+                      f" [{choice.family} {choice.source}]", flush=True)
+    small = [r for r in rows if r["M"] <= 64]
+    geo = math.exp(sum(math.log(r["cublas"]["us"] / r["tuned"]["us"]) for r in small) / len(small))
+    slower = [r for r in rows if r["tuned"]["us"] - r["cublas"]["us"] > r["tuned"]["iqr"] + r["cublas"]["iqr"]]
+    roof = [r for r in rows if r["M"] <= 16 and r["floor_us"] >= 5]
+    summary = {"device": dev, "copy_bw_tbps": bw / 1e12, "geomean_speedup_vs_cublas_m_le_64": geo,
+               "slower_than_cublas_beyond_spread": [(r["tp"], r["op"], r["M"]) for r in slower],
+               "min_roofline_frac_m_le_16_floor_ge_5us": min((r["floor_us"] / r["tuned"]["us"] for r in roof), default=None)}
+    if any("inductor" in r for r in rows):
+        ind = [r for r in small if "inductor" in r]
+        summary["geomean_speedup_vs_inductor"] = math.exp(sum(math.log(r["inductor"]["us"] / r["tuned"]["us"])
+                                                              for r in ind) / len(ind))
+    print(json.dumps(summary, indent=2))
+    Path(args.out).write_text(json.dumps({"summary": summary, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# One device call on the lent H200: GPU tests, the measured dense sweep (resumable: its database lives in
+# .device/, carried between calls), the export to tuning_db/h200.sqlite, and bench/gemm.py.
+# Usage (device tool, carry [".carry", ".device"]): bash bench/h200_session.sh [tests] [sweep] [bench]
+set -uo pipefail
+source .carry/cutedsl/unpack.sh || exit 1
+mkdir -p .device
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv | tee $OUT/gpu.txt
+for step in "$@"; do
+  case $step in
+    tests) timeout ${TESTS_S:-300} python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/test_gpu_kernels.py 2>&1 \
+             | tee $OUT/gpu-tests.log | tail -15 ;;
+    sweep) timeout ${SWEEP_S:-300} python3 bench/device_sweep.py --spec configs/sweep_h200_dense.toml \
+             --db .device/h200-sweep.sqlite 2>&1 | tee $OUT/sweep.log | tail -25
+           python3 -c "import sqlite3; c=sqlite3.connect('.device/h200-sweep.sqlite'); c.execute('PRAGMA wal_checkpoint(TRUNCATE)')"
+           cp .device/h200-sweep.sqlite $OUT/ ;;
+    bench) timeout ${BENCH_S:-300} python3 bench/gemm.py --db .device/h200-sweep.sqlite --out $OUT/bench-gemm.json \
+             ${BENCH_ARGS:-} 2>&1 | tee $OUT/bench-gemm.log | tail -40 ;;
+  esac
+done
