@@ -47,9 +47,9 @@ def test_every_deployment_is_covered_without_exceptions(smoke_db):
 def test_untuned_size_uses_nearest_bucket_above_and_warns_once(smoke_db, caplog):
     sel = Selector.load(smoke_db, simulated="gb300")
     with caplog.at_level(logging.WARNING, logger="k3tune.runtime"):
-        c = sel.lookup("kda.o_proj", tp=16, batch=3)  # M=3: the smoke sweep tuned M in {1, 2, 8, 16}
-        sel.lookup("kda.o_proj", tp=16, batch=4)
-    assert c.source == "nearest bucket (simulated)" and "M=8" in c.tuned_problem
+        c = sel.lookup("kda.decode", tp=16, batch=3)  # batch 4 bucket: the smoke sweep tuned batch in {1, 8}
+        sel.lookup("kda.decode", tp=16, batch=4)
+    assert c.source == "nearest bucket (simulated)" and "batch=8" in c.tuned_problem and "batch=4" in c.problem
     assert sum("untuned" in r.message for r in caplog.records) == 1
 
 

@@ -21,17 +21,21 @@ def lookup(
     context: Annotated[int | None, typer.Option(help="Context length for attention (default: the largest bucket).")] = None,
     db: Annotated[str | None, typer.Option("--db", help="Tuning database (default: the shipped one for the detected GPU).")] = None,
     simulate: Annotated[str | None, typer.Option("--simulate", help="Serve the simulated winners of this hardware (e.g. gb300).")] = None,
+    hardware: Annotated[str | None, typer.Option("--hardware", help="Serve the measured winners of this GPU from --db (e.g. h200), "
+                                                 "to inspect a database on another machine.")] = None,
     spec: SpecOption = None,
     config: ConfigOption = None,
     json: JsonOption = False,
 ) -> None:
     """Print the chosen kernel and knobs for every op of the decode layer, with where each came from.
 
-    Example: k3tune lookup --tp 16 --batch 8 --draft 6 --dcp 1 --db k3tune.sqlite --simulate gb300
+    Examples:
+      k3tune lookup --tp 16 --batch 8 --draft 6 --dcp 1 --db k3tune.sqlite --simulate gb300
+      k3tune lookup --tp 16 --batch 1 --db tuning_db/h200.sqlite --hardware h200
     """
     specs.validate_deployment_values(tp, batch, dcp, draft)
     sp = specs.load(spec)
-    sel = Selector.load(db, simulated=simulate, spec=sp, model=models.load(config or sp.model_config))
+    sel = Selector.load(db, simulated=simulate, measured_on=hardware, spec=sp, model=models.load(config or sp.model_config))
     choices = sel.layer(tp, batch, draft, dcp, context)
     if json:
         print_json({"deployment": dict(tp=tp, batch=batch, draft=draft, dcp=dcp, context=sel.context_bucket(context)),

@@ -6,6 +6,9 @@ keep one fp32 accumulator per (row, token) in registers, reduce across lanes wit
 through shared memory. With ``split_k > 1`` each slice writes fp32 partials to a workspace and a second,
 deterministic kernel sums them in slice order and writes bf16 (no atomics: results are reproducible).
 
+The K loop can be unrolled (``unroll``) to keep more loads in flight; the dot products are FMA chains over
+an fp32 copy of the tokens' slice of x.
+
 Constraints: M <= 16 (a compile-time constant: one binary per M), K a multiple of 8 x split_k, N a multiple of
 rows_per_cta, 16-byte aligned rows. N and K are dynamic: one compile serves every projection of a given M.
 Launches take the caller's stream, so they can be captured in a CUDA graph.
@@ -26,7 +29,7 @@ from k3tune.plan.problems import Problem
 MAX_M = 16
 VEC = 8  # bf16 elements per 16-byte load
 MAX_SPLIT = 16
-MAX_ACC = 64  # fp32 accumulators per thread (rows x tokens) before registers spill
+MAX_ACC = 32  # fp32 accumulators per thread (rows x tokens); x's fp32 slice takes 8 x M more registers
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,7 @@ class SmallMConfig(KernelConfig):
     rows_per_cta: int = 4
     warps: int = 4
     split_k: int = 1
+    unroll: int = 1  # K-loop iterations unrolled: more 16-byte loads in flight per thread
 
 
 class SmallMGemm(KernelFamily):
@@ -52,6 +56,7 @@ class SmallMGemm(KernelFamily):
             "rows_per_cta": tuple(r for r in (1, 2, 4, 8) if n % r == 0 and r * m <= MAX_ACC),
             "warps": (2, 4, 8),
             "split_k": (1, 2, 4, 8, 16),
+            "unroll": (1, 2, 4),
         }
 
     def valid(self, cfg: SmallMConfig, problem: Problem) -> bool:
@@ -62,7 +67,8 @@ class SmallMGemm(KernelFamily):
     def default(self, problem: Problem) -> SmallMConfig:
         n = problem["N"]
         split = 1 if n >= 4096 else 4
-        return SmallMConfig(rows_per_cta=4 if n % 4 == 0 else 1, warps=4, split_k=split)
+        rows = max(r for r in (1, 2, 4) if n % r == 0 and r * problem["M"] <= MAX_ACC)
+        return SmallMConfig(rows_per_cta=rows, warps=4, split_k=split, unroll=2)
 
     def work(self, problem: Problem, cfg: SmallMConfig) -> Work:
         m, n = problem["M"], problem["N"]
@@ -72,7 +78,7 @@ class SmallMGemm(KernelFamily):
             hbm_bytes=gemm_common.gemm_bytes(problem) + partial,
             flops=gemm_common.gemm_flops(problem),
             ctas=ctas,
-            inflight_bytes_per_cta=cfg.warps * 32 * 16 * min(cfg.rows_per_cta, 4),
+            inflight_bytes_per_cta=cfg.warps * 32 * 16 * min(cfg.rows_per_cta * cfg.unroll, 8),
             ctas_per_sm=min(16, 2048 // (cfg.warps * 32)),
             launches=2 if cfg.split_k > 1 else 1,
             extra_us=0.15 * math.log2(cfg.split_k) + 0.02 * m * cfg.rows_per_cta,
@@ -99,7 +105,7 @@ class SmallMGemm(KernelFamily):
         from cuda.bindings import driver as cuda
         from cutlass.cute.runtime import from_dlpack
 
-        fn = compiled(problem["M"], cfg.rows_per_cta, cfg.warps, cfg.split_k, current_arch())
+        fn = compiled(problem["M"], cfg.rows_per_cta, cfg.warps, cfg.split_k, cfg.unroll, current_arch())
 
         def run(inputs: dict):
             x = from_dlpack(inputs["x"], assumed_align=16).mark_compact_shape_dynamic(mode=1, divisibility=VEC)
@@ -128,8 +134,8 @@ def current_arch() -> str:
 
 
 @functools.cache
-def compiled(m: int, rows: int, warps: int, split: int, arch: str):
-    """Compile once per (M, rows, warps, split, arch); N and K are dynamic. Never call inside a capture."""
+def compiled(m: int, rows: int, warps: int, split: int, unroll: int, arch: str):
+    """Compile once per (M, rows, warps, split, unroll, arch); N and K are dynamic. Never call inside a capture."""
     import cutlass.cute as cute
     from cutlass import BFloat16, Float32
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
@@ -140,7 +146,7 @@ def compiled(m: int, rows: int, warps: int, split: int, arch: str):
     w = make_fake_compact_tensor(BFloat16, (n, k), stride_order=(1, 0), assumed_align=16)
     y = make_fake_compact_tensor(BFloat16, (m, n), stride_order=(1, 0), assumed_align=16)
     ws = make_fake_compact_tensor(Float32, (cute.sym_int(), m, n), stride_order=(2, 1, 0), assumed_align=16)
-    kernel = _kernel_class()(m, rows, warps, split)
+    kernel = _kernel_class()(m, rows, warps, split, unroll)
     return cute.compile(kernel, x, w, y, ws, make_fake_stream(), options=f"--gpu-arch {arch}")
 
 
@@ -153,8 +159,8 @@ def _kernel_class():
     from cutlass import BFloat16, Float32
 
     class SmallMGemvKernel:
-        def __init__(self, m: int, rows: int, warps: int, split: int):
-            self.m, self.rows, self.warps, self.split = m, rows, warps, split
+        def __init__(self, m: int, rows: int, warps: int, split: int, unroll: int):
+            self.m, self.rows, self.warps, self.split, self.unroll = m, rows, warps, split, unroll
 
         @cute.jit
         def __call__(self, mX: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor, mWs: cute.Tensor,
@@ -184,17 +190,23 @@ def _kernel_class():
             acc.fill(0.0)
             rw = cute.make_rmem_tensor_like(gW[(None, (0, 0))])
             rx = cute.make_rmem_tensor_like(gX[(None, (0, 0))])
-            for c in cutlass.range(warp * 32 + lane, chunks, W * 32):
+            wf = cute.make_rmem_tensor(cute.make_layout(VEC), Float32)
+            xf = cute.make_rmem_tensor(cute.make_layout((VEC, M)), Float32)
+            for c in cutlass.range(warp * 32 + lane, chunks, W * 32, unroll=self.unroll):
                 cc = c0 + c
-                xs = []
-                for mi in cutlass.range_constexpr(M):
+                for mi in cutlass.range_constexpr(M):  # the tokens' slice of x, once per chunk, in fp32
                     cute.copy(x_atom, gX[(None, (mi, cc))], rx)
-                    xs.append(rx.load().to(Float32))
+                    xv = rx.load().to(Float32)
+                    for j in cutlass.range_constexpr(VEC):
+                        xf[j, mi] = xv[j]
                 for r in cutlass.range_constexpr(R):
                     cute.copy(w_atom, gW[(None, (n0 + r, cc))], rw)
-                    wv = rw.load().to(Float32)
+                    wf.store(rw.load().to(Float32))
                     for mi in cutlass.range_constexpr(M):
-                        acc[r * M + mi] = acc[r * M + mi] + (wv * xs[mi]).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                        a = acc[r * M + mi]
+                        for j in cutlass.range_constexpr(VEC):  # an FMA chain: no per-vector reduction tree
+                            a = a + wf[j] * xf[j, mi]
+                        acc[r * M + mi] = a
             smem = cutlass.memory.SmemAllocator() if hasattr(cutlass, "memory") else cutlass.utils.SmemAllocator()
             red = smem.allocate_tensor(Float32, cute.make_layout((W, R * M)), 16)
             for i in cutlass.range_constexpr(R * M):

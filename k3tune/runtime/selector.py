@@ -67,6 +67,18 @@ def shipped_db_for(fp: Fingerprint | None) -> Path | None:
     return path if path and path.exists() else None
 
 
+def _measured_fingerprint(db, name: str) -> Fingerprint | None:
+    """The fingerprint of the first measured (not simulated) hardware in db whose name contains ``name``."""
+    try:
+        d = Database(db, readonly=True, create=False)
+        with d.session() as s:
+            h = s.scalars(select(Hardware).where(Hardware.simulated.is_(False), Hardware.name.contains(name))).first()
+        d.dispose()
+    except DatabaseError:
+        return None
+    return h and Fingerprint(h.name, h.compute_capability, h.sm_count, h.memory_gib, h.driver, h.cuda, False)
+
+
 class Selector:
     def __init__(self, spec: specs.SweepSpec, model: models.ModelConfig):
         self.spec = spec
@@ -88,13 +100,16 @@ class Selector:
     # ---- loading --------------------------------------------------------------------------------
     @classmethod
     def load(cls, db: str | os.PathLike | None = None, *, fingerprint: Fingerprint | None = None,
-             simulated: str | None = None, spec: specs.SweepSpec | None = None,
+             simulated: str | None = None, measured_on: str | None = None, spec: specs.SweepSpec | None = None,
              model: models.ModelConfig | None = None) -> Selector:
         """Load winners for this hardware. ``simulated='gb300'`` serves that simulated hardware's winners
-        (labelled simulated); otherwise the detected GPU's measured winners (or ``fingerprint``'s)."""
+        (labelled simulated); ``measured_on='h200'`` the measured winners of that GPU found in ``db`` (to
+        inspect a database elsewhere); otherwise the detected GPU's measured winners (or ``fingerprint``'s)."""
         gc_was_on = gc.isenabled()
         gc.disable()  # thousands of small objects, none cyclic: collections would only cost time
         try:
+            if measured_on and db is not None:
+                fingerprint = _measured_fingerprint(db, hardware.spec(measured_on).name) or fingerprint
             return cls._load(db, fingerprint, simulated, spec, model)
         finally:
             if gc_was_on:
@@ -178,21 +193,18 @@ class Selector:
             return Choice(problem.op, hit[0], hit[1], hit[3], problem.key, problem.key, hit[2])
         sizes = SIZE_DIMS[problem.kind]
         fixed = tuple((k, v) for k, v in problem.dims if k not in sizes)
-        best = None
+        above = []
         for fam, params, median, lab, p in tuned.values():
             if tuple((k, v) for k, v in p.dims if k not in sizes) != fixed:
                 continue
             if all(p[d] >= problem[d] for d in sizes):
-                rank = sum(p[d] for d in sizes)
-                if best is None or rank < best[0]:
-                    best = (rank, fam, params, median, lab, p)
-        if best:
-            try:  # the neighbour's config must fit this problem too
-                get_family(best[1]).config_from_params(problem, dict(best[2]))
-                return Choice(problem.op, best[1], best[2], f"nearest bucket ({best[4]})", problem.key, best[5].key,
-                              best[3], approx=True)
+                above.append((sum(p[d] for d in sizes), p.key, fam, params, median, lab, p))
+        for _, _, fam, params, median, lab, p in sorted(above):
+            try:  # the neighbour's config must fit this problem too; else the next one up
+                get_family(fam).config_from_params(problem, dict(params))
             except CannotImplement:
-                pass
+                continue
+            return Choice(problem.op, fam, params, f"nearest bucket ({lab})", problem.key, p.key, median, approx=True)
         fam, cfg = safe_default(problem)
         return Choice(problem.op, fam.name, tuple(sorted(cfg.params().items())), "heuristic default", problem.key, None, None)
 
