@@ -10,6 +10,7 @@ from rich.table import Table
 
 from k3tune.cli.common import ConfigOption, JsonOption, SpecOption, console, db_target, print_json
 from k3tune.errors import DatabaseError
+from k3tune.kernels import op_digest
 from k3tune.plan import model as models, problems as plans, spec as specs
 from k3tune.store import db as store_db
 from k3tune.store import inspect, transfer
@@ -71,16 +72,20 @@ def verify(db: DbArg = None, spec: SpecOption = None, config: ConfigOption = Non
 def export(src: Annotated[str, typer.Argument(help="Database to export from.")],
            dest: Annotated[str, typer.Argument(help="SQLite file to write (replaced atomically).")],
            hardware: Annotated[str | None, typer.Option(help="Only hardware whose class key contains this, e.g. 'H200'.")] = None,
+           stale: Annotated[bool, typer.Option(help="Also export winners whose kernels changed since tuning.")] = False,
            json: JsonOption = False) -> None:
-    """Write a compact, winners-only database to ship (temp file, then rename).
+    """Write a compact, winners-only database to ship (temp file, then rename). Stale winners are left out.
 
     Example: k3tune db export k3tune.sqlite tuning_db/h200.sqlite --hardware H200
     """
-    st = transfer.export(_open(src, readonly=True), dest, hardware=hardware)
+    def current(op: str, digest: str, backend: str) -> bool:
+        return op in plans.OPS and digest == op_digest(op, inspect.BACKEND_OF[backend])
+
+    st = transfer.export(_open(src, readonly=True), dest, hardware=hardware, keep=None if stale else current)
     if json:
         print_json(vars(st))
     else:
-        console.print(f"exported {st.winners_added} winners to {dest}")
+        console.print(f"exported {st.winners_added} winners to {dest} ({st.winners_dropped} stale left out)")
 
 
 @app.command()

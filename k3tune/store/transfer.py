@@ -9,7 +9,7 @@ import contextlib
 import os
 import sqlite3
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,6 +66,7 @@ class CopyStats:
     winners_added: int = 0
     winners_replaced: int = 0
     winners_kept: int = 0
+    winners_dropped: int = 0  # refused by the caller's filter (stale)
 
 
 class _IdMap:
@@ -125,7 +126,8 @@ TRIAL_COLS = ("family", "family_digest", "variant", "params", "params_key", "rou
               "spread_us", "samples", "compile_s", "error", "routing", "created_at")
 
 
-def copy_records(src: Database, dst: Database, *, origin: str, trials: bool, hardware: str | None = None) -> CopyStats:
+def copy_records(src: Database, dst: Database, *, origin: str, trials: bool, hardware: str | None = None,
+                 keep: Callable[[str, str, str], bool] | None = None) -> CopyStats:
     """Copy winners (and optionally every trial) from src into dst. A winner conflicting with one already
     in dst (same hardware, problem, op digest, backend) is resolved by measured time; provenance is kept."""
     stats = CopyStats()
@@ -133,6 +135,9 @@ def copy_records(src: Database, dst: Database, *, origin: str, trials: bool, har
         ids = _IdMap(s, d, origin)
         hw_filter = [Winner.hardware_id.in_(select(Hardware.id).where(Hardware.class_key.contains(hardware)))] if hardware else []
         for w in s.scalars(select(Winner).where(*hw_filter)):
+            if keep is not None and not keep(s.get(ProblemRow, w.problem_id).op, w.op_digest, w.backend.value):
+                stats.winners_dropped += 1
+                continue
             key = dict(hardware_id=ids.hardware(w.hardware_id), problem_id=ids.problem(w.problem_id),
                        op_digest=w.op_digest, backend=w.backend)
             cur = d.scalar(select(Winner).where(*(getattr(Winner, k) == v for k, v in key.items())))
@@ -164,10 +169,12 @@ def copy_records(src: Database, dst: Database, *, origin: str, trials: bool, har
     return stats
 
 
-def export(src: Database, dest: str | os.PathLike, *, hardware: str | None = None) -> CopyStats:
-    """A compact database holding winners with their provenance (hardware, software, runs, problems)."""
+def export(src: Database, dest: str | os.PathLike, *, hardware: str | None = None,
+           keep: Callable[[str, str, str], bool] | None = None) -> CopyStats:
+    """A compact database holding winners with their provenance (hardware, software, runs, problems);
+    ``keep(op, op_digest, backend)`` drops winners the caller knows to be stale."""
     with atomic_sqlite(dest) as out:
-        return copy_records(src, out, origin=str(src.path or src.url), trials=False, hardware=hardware)
+        return copy_records(src, out, origin=str(src.path or src.url), trials=False, hardware=hardware, keep=keep)
 
 
 def merge(dest: str | os.PathLike, sources: list[Database]) -> CopyStats:
