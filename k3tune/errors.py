@@ -33,3 +33,9 @@ class CannotImplement(K3TuneError):
     """A kernel family cannot implement a problem or config (kept apart from real failures)."""
 
     exit_code = 5
+
+
+class WorkerError(K3TuneError):
+    """A measurement worker could not be started (its backend failed to initialise)."""
+
+    exit_code = 6

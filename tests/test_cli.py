@@ -91,6 +91,14 @@ def test_bad_files_are_one_line_and_untouched(tmp_path, capsys):
     assert "not valid JSON" in capsys.readouterr().err
 
 
+def test_shipped_tuning_db_is_read_only(capsys):
+    from k3tune.shipped import tuning_db_dir
+
+    assert main(["sweep", "--simulate", "gb300", "--spec", "smoke", "--db", str(tuning_db_dir() / "x.sqlite")]) == 2
+    assert "read-only shipped data" in capsys.readouterr().err
+    assert not (tuning_db_dir() / "x.sqlite").exists()
+
+
 def test_debug_shows_traceback(monkeypatch):
     monkeypatch.setenv("K3TUNE_DEBUG", "1")
     from k3tune.errors import HardwareError

@@ -7,7 +7,6 @@ import subprocess
 import sys
 import time
 
-import pytest
 from sqlalchemy import func, select
 
 from k3tune.kernels import families_for, family
@@ -19,7 +18,7 @@ from k3tune.search.simulate import SimulatedBackend
 from k3tune.search.strategy import ProblemSearch
 from k3tune.search.workers import WorkerPool
 from k3tune.store import db as store_db
-from k3tune.store.models import Claim, Trial, Winner
+from k3tune.store.models import Trial, Winner
 
 GB300 = hardware.spec("gb300")
 SETTINGS = spec.SearchSettings(budget=16, patience=6, remeasure_top=3, samples=9, seed=0)

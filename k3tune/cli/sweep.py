@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shlex
 import sys
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -14,6 +15,7 @@ from k3tune.cli.common import ConfigOption, DbOption, JsonOption, SpecOption, co
 from k3tune.errors import ConfigError, HardwareError
 from k3tune.plan import hardware, model as models, spec as specs
 from k3tune.search.driver import SweepOptions, SweepStats, run_sweep
+from k3tune.shipped import tuning_db_dir
 from k3tune.store.db import open_db
 
 
@@ -66,7 +68,11 @@ def sweep(
             raise HardwareError(f"--gpus {workers} asked for, but only {visible} GPU(s) are visible")
     if workers < 1:
         raise ConfigError("--gpus must be at least 1")
-    database = open_db(db_target(db))
+    target = db_target(db)
+    if "://" not in target and Path(target).resolve().parent == tuning_db_dir().resolve():
+        raise ConfigError(f"{target}: tuning_db/ is read-only shipped data; sweep into another database and "
+                          "`k3tune db export` it there")
+    database = open_db(target)
     command = "k3tune " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     label = f"simulated {hw.key}" if hw else "measured"
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),

@@ -14,6 +14,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from sqlalchemy import select
+
 from k3tune.errors import ConfigError, HardwareError
 from k3tune.kernels import FAMILIES, families_for, op_digest
 from k3tune.plan import hardware, problems as plans
@@ -25,7 +27,7 @@ from k3tune.search.strategy import Candidate, ProblemSearch
 from k3tune.search.workers import WorkerPool
 from k3tune.store import records
 from k3tune.store.db import Database
-from k3tune.store.models import Backend, TrialStatus
+from k3tune.store.models import Backend, TrialStatus, Winner
 
 BACKEND_LABEL = {"gpu": Backend.measured, "simulated": Backend.simulated, "cpu": Backend.cpu}
 
@@ -112,8 +114,8 @@ def run_sweep(opt: SweepOptions) -> SweepStats:
         records.release_dead_local_claims(s, hw_id, label)
         stats.problems_total = len(wanted)
         stats.problems_done_before = len(wanted) - records.remaining(s, hw_id, label, wanted)
-        won = s.execute(records.select(records.Winner.problem_id, records.Winner.family, records.Winner.params)
-                        .where(records.Winner.hardware_id == hw_id, records.Winner.backend == label)).all()
+        won = s.execute(select(Winner.problem_id, Winner.family, Winner.params)
+                        .where(Winner.hardware_id == hw_id, Winner.backend == label)).all()
     stats.run_id = run_id
     neighbours: dict[str, list[tuple[plans.Problem, str, dict]]] = {}
     for pid, fam, params in won:
@@ -127,7 +129,6 @@ def run_sweep(opt: SweepOptions) -> SweepStats:
     backend_spec = ("simulated", opt.hw.key, opt.spec.search.seed) if opt.backend == "simulated" else (opt.backend,)
     target_active = max(4, 2 * opt.workers)
     last_renew = time.monotonic()
-    nothing_claimable_since: float | None = None
 
     def report(msg: str = "") -> None:
         stats.last = msg or stats.last
@@ -181,11 +182,9 @@ def run_sweep(opt: SweepOptions) -> SweepStats:
                         left = records.remaining(s, hw_id, label, wanted)
                     if left == 0 or not opt.wait_for_others:
                         break
-                    nothing_claimable_since = nothing_claimable_since or time.monotonic()
                     report(f"waiting: {left} problems claimed by other sweeps")
                     time.sleep(min(5.0, opt.lease_s / 4))
                     continue
-                nothing_claimable_since = None
                 idle = pool.idle()
                 if idle:
                     for pid, search in list(active.items()):
@@ -217,7 +216,7 @@ def run_sweep(opt: SweepOptions) -> SweepStats:
                 if batch:
                     with opt.db.session() as s:
                         records.record_trials(s, run_id, hw_id, label, batch)
-                    for (task, outcome), rec in zip(results, batch):
+                    for (_, outcome), rec in zip(results, batch, strict=True):
                         active[rec.problem_id].tell(Candidate(rec.family, rec.params, rec.params_key, rec.round),
                                                     outcome.status, outcome.median_us, outcome.spread_us)
                     report()
@@ -226,6 +225,9 @@ def run_sweep(opt: SweepOptions) -> SweepStats:
                         records.renew_claims(s, owner, opt.lease_s)
                     last_renew = time.monotonic()
         status = "done"
+    except KeyboardInterrupt:
+        status = "interrupted"
+        raise
     finally:
         try:
             with opt.db.session() as s:

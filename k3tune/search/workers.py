@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 
+from k3tune.errors import WorkerError
 from k3tune.search.outcome import Outcome, Task
 
 STARTUP_TIMEOUT_S = 300.0
@@ -143,20 +144,19 @@ class WorkerPool:
             try:
                 msg = ready.recv()
             except (EOFError, OSError):
-                code = slot.proc.exitcode if slot.proc else None
                 slot.proc.join(5)
                 code = slot.proc.exitcode
                 if slot.task is not None:
                     why = f"worker died (signal {-code})" if code and code < 0 else f"worker exited with code {code}"
                     done.append((slot.task, Outcome("runtime_failed", error=why)))
                 elif not slot.ready:
-                    raise RuntimeError(f"measurement worker {slot.index} died while starting (exit code {code})")
+                    raise WorkerError(f"measurement worker {slot.index} died while starting (exit code {code})") from None
                 self._replace(slot)
                 continue
             if msg[0] == "ready":
                 slot.ready = True
             elif msg[0] == "error":
-                raise RuntimeError(f"measurement worker {slot.index} cannot start: {msg[1]}")
+                raise WorkerError(f"measurement worker {slot.index} cannot start: {msg[1]}")
             else:
                 task, slot.task = slot.task, None
                 done.append((task, msg[1]))
@@ -168,7 +168,7 @@ class WorkerPool:
                 done.append((slot.task, Outcome("timeout", error=f"no result within {self.timeout:.0f} s")))
                 self._replace(slot)
             elif not slot.ready and now - slot.started > STARTUP_TIMEOUT_S:
-                raise RuntimeError(f"measurement worker {slot.index} did not start within {STARTUP_TIMEOUT_S:.0f} s")
+                raise WorkerError(f"measurement worker {slot.index} did not start within {STARTUP_TIMEOUT_S:.0f} s")
         return done
 
     def close(self) -> None:
