@@ -3,8 +3,8 @@
     python bench/lookup.py [--db PATH] [--lookups 1000000]
 
 It first makes sure the database holds --trials trials (default 100k), with real simulated sweeps of the
-default matrix (16 workers, a larger search budget) for gb300, then b200, h200, h100 as needed: a database
-shared by several GPU kinds. Lookups are served from the gb300 winners.
+default matrix (16 workers, a larger search budget) for gb300, then b200, h200, h100, then the same for a
+second matrix (other contexts, skewed routing) as needed: a database shared by several GPU kinds. Lookups are served from the gb300 winners.
 Load is timed in fresh processes (imports done before the clock starts) and again warm; lookups are timed
 one by one over random deployments of the whole matrix (every op, batch 1-64, draft 0-7, tp, dcp,
 context), and reported as percentiles with the timer's own overhead shown alongside.
@@ -13,6 +13,7 @@ context), and reported as percentiles with the timer's own overhead shown alongs
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import statistics
@@ -38,18 +39,22 @@ def build(path: Path, target: int) -> None:
     from k3tune.search.driver import SweepOptions, run_sweep
     from k3tune.store.db import open_db
 
-    sp = spec.load()
-    sp = spec.SweepSpec(**{**sp.__dict__, "search": spec.SearchSettings(budget=110, patience=110, remeasure_top=3,
-                                                                         samples=5, seed=0)})
-    for hw in ("gb300", "b200", "h200", "h100"):
-        with sqlite3.connect(path) as c:
-            have = c.execute("select count(*) from trials").fetchone()[0] if c.execute(
-                "select name from sqlite_master where name='trials'").fetchone() else 0
-        if have >= target:
-            break
-        t = time.perf_counter()
-        st = run_sweep(SweepOptions(sp, model.load(), open_db(path), "simulated", 16, hw=hardware.spec(hw)))
-        print(f"{hw}: {st.trials} trials over {st.problems_total} problems in {time.perf_counter() - t:.0f} s")
+    base = spec.load()
+    search = spec.SearchSettings(budget=48, patience=48, remeasure_top=3, samples=5, seed=0)
+    variants = [spec.SweepSpec(**{**base.__dict__, "search": search}),
+                # a second deployment family (other context buckets, skewed routing): more, distinct problems
+                spec.SweepSpec(**{**base.__dict__, "search": search, "context": (4096, 16384, 65536),
+                                  "routing": "zipf:1.2"})]
+    for sp in variants:
+        for hw in ("gb300", "b200", "h200", "h100"):
+            with contextlib.closing(sqlite3.connect(path)) as c:
+                have = c.execute("select count(*) from trials").fetchone()[0] if c.execute(
+                    "select name from sqlite_master where name='trials'").fetchone() else 0
+            if have >= target:
+                return
+            t = time.perf_counter()
+            st = run_sweep(SweepOptions(sp, model.load(), open_db(path), "simulated", 16, hw=hardware.spec(hw)))
+            print(f"{hw}: {st.trials} trials over {st.problems_total} problems in {time.perf_counter() - t:.0f} s")
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -67,7 +72,7 @@ def main() -> None:
     build(args.db, args.trials)
     import sqlite3
 
-    with sqlite3.connect(args.db) as c:
+    with contextlib.closing(sqlite3.connect(args.db)) as c:
         trials = c.execute("select count(*) from trials").fetchone()[0]
         winners = c.execute("select count(*) from winners").fetchone()[0]
 

@@ -107,6 +107,21 @@ def test_debug_shows_traceback(monkeypatch):
         main(["sweep", "--simulate", "rtx4090"])
 
 
+def test_verify_reports_a_truncated_database(tmp_path, capsys):
+    db = tmp_path / "t.sqlite"
+    assert main(["sweep", "--simulate", "gb300", "--spec", "smoke", "--db", str(db), "--json"]) == 0
+    capsys.readouterr()
+    import sqlite3
+
+    with sqlite3.connect(db) as c:
+        c.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    data = db.read_bytes()
+    db.write_bytes(data[: len(data) // 3])
+    assert main(["db", "verify", str(db), "--spec", "smoke", "--json"]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert not out["ok"] and "malformed" in out["integrity"][0]
+
+
 def test_newer_schema_via_cli(tmp_path, capsys):
     import sqlite3
 

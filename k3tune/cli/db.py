@@ -54,7 +54,10 @@ def verify(db: DbArg = None, spec: SpecOption = None, config: ConfigOption = Non
     """
     sp = specs.load(spec)
     plan = plans.build(sp, models.load(config or sp.model_config))
-    v = inspect.verify(store_db.open_db(db_target(db), create=False, check_schema=False), plan)
+    try:
+        v = inspect.verify(store_db.open_db(db_target(db), create=False, check_schema=False), plan)
+    except DatabaseError as e:  # unreadable (corrupt, truncated): that is the verdict
+        v = inspect.Verification([str(e)], None, False)
     if json:
         print_json(v.as_dict())
     else:

@@ -25,7 +25,6 @@ from sqlalchemy.orm import Session, sessionmaker
 from k3tune.errors import DatabaseError, SchemaError
 
 MIGRATIONS = Path(__file__).resolve().parent / "migrations"
-SQLITE_MAGIC = b"SQLite format 3\x00"
 BUSY_TIMEOUT_S = 60
 
 
@@ -62,12 +61,23 @@ def to_url(target: str | os.PathLike) -> tuple[str, Path | None]:
 
 
 def check_sqlite_file(path: Path) -> None:
-    """Refuse a file that is not a SQLite database before SQLAlchemy touches it."""
+    """Refuse a file that is not a SQLite database before SQLAlchemy touches it.
+
+    Asked through SQLite itself, never with a plain open()/close() of the file: closing any descriptor of a
+    database file drops every POSIX lock this process holds on it, and SQLite connections open elsewhere in
+    the process would then lose their locks (and, in WAL mode, committed transactions)."""
     if not path.exists() or path.stat().st_size == 0:
         return
-    with open(path, "rb") as f:
-        if f.read(16) != SQLITE_MAGIC:
-            raise DatabaseError(f"{path} is not a SQLite database")
+    try:
+        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        try:
+            conn.execute("PRAGMA schema_version").fetchone()
+        finally:
+            conn.close()
+    except sqlite3.DatabaseError as e:
+        if "not a database" in str(e):
+            raise DatabaseError(f"{path} is not a SQLite database") from None
+        raise DatabaseError(f"cannot read {path}: {e}") from None
 
 
 class Database:
