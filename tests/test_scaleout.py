@@ -58,3 +58,13 @@ def test_expired_claims_of_a_crashed_machine_are_taken_over(pg_url):
     with db.session() as s:
         assert s.scalar(select(func.count()).select_from(Winner)) == 48
         assert s.scalar(select(func.count()).select_from(Claim).where(Claim.state != "done")) == 0
+
+
+def test_selector_serves_from_postgres(pg_url):
+    from k3tune.runtime import Selector
+
+    db = store_db.open_db(pg_url)
+    run_sweep(SweepOptions(spec.load("smoke"), model.load(), db, "simulated", 2, hw=hardware.spec("gb300")))
+    sel = Selector.load(pg_url, simulated="gb300")
+    c = sel.lookup("kda.qkvg_proj", tp=16, batch=8, draft=1)
+    assert c.source == "simulated" and c.median_us > 0 and not sel.warnings

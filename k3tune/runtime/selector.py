@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sqlalchemy import select
+from sqlalchemy.exc import SQLAlchemyError
 
 from k3tune.errors import CannotImplement, ConfigError, DatabaseError
 from k3tune.kernels import family as get_family
@@ -30,7 +31,8 @@ from k3tune.plan.hardware import Fingerprint
 from k3tune.plan.spec import MAX_BATCH, MAX_DRAFT
 from k3tune.shipped import tuning_db_dir
 from k3tune.store.db import Database
-from k3tune.store.models import Backend, Hardware, ProblemRow, Winner
+from k3tune.store.models import Backend, Hardware
+from k3tune.store.records import read_winners
 
 log = logging.getLogger("k3tune.runtime")
 
@@ -145,26 +147,21 @@ class Selector:
         except DatabaseError as e:
             self._warn(f"cannot use tuning database: {e}; serving heuristic defaults")
             return
+        label = Backend.simulated if fp.simulated else Backend.measured
         try:
-            with db.session() as s:
-                hw_rows = s.execute(select(Hardware.id, Hardware.class_key, Hardware.driver, Hardware.cuda)).all()
-                ids = [r.id for r in hw_rows if r.class_key == fp.class_key]
-                if not ids:
-                    have = sorted({r.class_key for r in hw_rows})
-                    self._warn(f"{path}: tuned for {have or 'no hardware'}, not {fp.class_key}: serving heuristic defaults")
-                    return
-                if not fp.simulated and not any(r.driver == fp.driver and r.cuda == fp.cuda for r in hw_rows if r.id in ids):
-                    self._warn(f"{path}: tuned under another driver/CUDA than {fp.driver}/{fp.cuda}; serving it anyway")
-                label = Backend.simulated if fp.simulated else Backend.measured
-                rows = s.execute(select(ProblemRow.op, ProblemRow.key, ProblemRow.dims, Winner.op_digest, Winner.family,
-                                        Winner.params, Winner.median_us)
-                                 .join(ProblemRow, ProblemRow.id == Winner.problem_id)
-                                 .where(Winner.hardware_id.in_(ids), Winner.backend == label)).all()
-        except DatabaseError as e:
-            self._warn(f"cannot read tuning database: {e}; serving heuristic defaults")
+            hw_rows, rows = read_winners(db, fp.class_key, label)
+        except SQLAlchemyError as e:
+            self._warn(f"cannot read tuning database: {str(e).splitlines()[0]}; serving heuristic defaults")
             return
         finally:
             db.dispose()
+        ids = [r[0] for r in hw_rows if r[1] == fp.class_key]
+        if not ids:
+            have = sorted({r[1] for r in hw_rows})
+            self._warn(f"{path}: tuned for {have or 'no hardware'}, not {fp.class_key}: serving heuristic defaults")
+            return
+        if not fp.simulated and not any(r[2] == fp.driver and r[3] == fp.cuda for r in hw_rows if r[0] in ids):
+            self._warn(f"{path}: tuned under another driver/CUDA than {fp.driver}/{fp.cuda}; serving it anyway")
         backend = "simulated" if fp.simulated else "gpu"
         current = {op: op_digest(op, backend) for op in plans.OPS}
         stale, refused = 0, 0

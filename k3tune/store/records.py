@@ -235,3 +235,24 @@ def remaining(session: Session, hw_id: int, backend: Backend, wanted: dict[int, 
             Claim.hardware_id == hw_id, Claim.backend == backend, Claim.op_digest == digest,
             Claim.problem_id.in_(chunk), Claim.state != "done")).all())
     return n
+
+
+def read_winners(db, class_key: str, backend: Backend) -> tuple[list, list]:
+    """Serving-path read of one hardware class's winners: (hardware rows, winner rows).
+
+    Raw driver SQL, no statement compilation or ORM result processing: this runs at every server start.
+    Winner rows are (op, problem key, dims, op digest, family, params, median us); JSON columns come back
+    as text on SQLite and decoded on PostgreSQL, and are returned decoded."""
+    with db.engine.connect() as conn:
+        hw = conn.exec_driver_sql("SELECT id, class_key, driver, cuda FROM hardware").all()
+        ids = [int(r[0]) for r in hw if r[1] == class_key]
+        if not ids:
+            return hw, []
+        rows = conn.exec_driver_sql(
+            "SELECT p.op, p.key, p.dims, w.op_digest, w.family, w.params, w.median_us FROM winners w "
+            "JOIN problems p ON p.id = w.problem_id "
+            f"WHERE w.backend = '{Backend(backend).value}' AND w.hardware_id IN ({', '.join(map(str, ids))})").all()
+    loads = json.loads
+    return hw, [(op, key, loads(dims) if isinstance(dims, str) else dims, dg, fam,
+                 loads(params) if isinstance(params, str) else params, med)
+                for op, key, dims, dg, fam, params, med in rows]
