@@ -80,13 +80,6 @@ def problem_ids(session: Session, problems: list[Problem]) -> dict[Problem, int]
     return {p: ids[p.key] for p in problems}
 
 
-def problem_from_row(row: ProblemRow) -> Problem:
-    from k3tune.plan.problems import OPS
-
-    order = list(row.dims)
-    return Problem(row.op, row.kind if row.op not in OPS else OPS[row.op].kind, tuple((k, row.dims[k]) for k in order))
-
-
 def owner_tag(run_id: int) -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{run_id}"
 
