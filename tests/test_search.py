@@ -169,7 +169,7 @@ def test_stored_trial_outside_space_is_never_launched(db_path):
                          "search": {"budget": 4, "samples": 3, "remeasure_top": 1}})
     db = store_db.open_db(db_path)
     p = Problem("kda.o_proj", "gemm", (("M", 1), ("N", 7168), ("K", 768)))
-    bogus = {"rows_per_cta": 3, "warps": 4, "split_k": 1, "unroll": 1, "prefetch": 1}
+    bogus = {"rows_per_cta": 3, "warps": 4, "split_k": 1, "unroll": 1}
     from k3tune.store import records
     from k3tune.store.models import Backend, TrialStatus
 
@@ -179,7 +179,7 @@ def test_stored_trial_outside_space_is_never_launched(db_path):
         pid = records.problem_ids(s, [p])[p]
         run = records.start_run(s, command="t", backend=Backend.simulated, hw_id=hw, sw_id=sw, spec_digest="x")
         records.record_trials(s, run.id, hw, Backend.simulated, [records.TrialRecord(
-            pid, "gemm.smallm", family("gemm.smallm").digest, bogus, '{"prefetch":1,"rows_per_cta":3,"split_k":1,"unroll":1,"warps":4}', 1,
+            pid, "gemm.smallm", family("gemm.smallm").digest, bogus, '{"rows_per_cta":3,"split_k":1,"unroll":1,"warps":4}', 1,
             TrialStatus.ok, 0.001, 0.0, 3)])
     stats = run_sweep(_opts(db, sp))
     assert len(stats.refused) == 1 and "outside the declared space" in stats.refused[0]
