@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass
 
 from k3tune.kernels.base import KernelConfig, KernelFamily, Work
+from k3tune.plan import routing
 from k3tune.plan.problems import Problem
 
 MIB = 1 << 20
@@ -27,14 +28,7 @@ def weight_bytes_per_element(fmt: str) -> float:
 
 def experts_touched(problem: Problem) -> float:
     """Expected distinct experts selected by M tokens choosing top_k of E under the problem's routing."""
-    e, k, m = problem["experts"], problem["top_k"], problem["M"]
-    routing = str(problem["routing"])
-    if routing.startswith("zipf"):
-        s = float(routing.split(":")[1]) if ":" in routing else 1.0
-        w = [1 / (i + 1) ** s for i in range(e)]
-        tot = sum(w)
-        return sum(1 - (1 - min(1.0, k * x / tot)) ** m for x in w)
-    return e * (1 - (1 - k / e) ** m)
+    return routing.expected_touched(str(problem["routing"]), problem["experts"], problem["top_k"], problem["M"])
 
 
 def expert_bytes(problem: Problem) -> float:

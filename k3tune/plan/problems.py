@@ -18,6 +18,7 @@ from functools import cached_property
 from itertools import product
 
 from k3tune.errors import ConfigError
+from k3tune.plan import routing
 from k3tune.plan.model import ModelConfig
 from k3tune.plan.spec import SweepSpec, bucket, validate_deployment_values
 
@@ -120,7 +121,8 @@ OPS: dict[str, OpDef] = {
             ("tp", d.tp), ("M", _m(d, s)), ("experts", c.num_experts), ("top_k", c.top_k),
             ("latent", c.latent), ("inter", _per_rank(c.moe_intermediate, d.tp, "the expert width")),
             ("shared_inter", _per_rank(c.shared_intermediate, d.tp, "the shared-expert width")),
-            ("hidden", c.hidden), ("format", c.expert_weight_format), ("routing", s.routing))),
+            ("hidden", c.hidden), ("format", c.expert_weight_format),
+            ("routing", routing.canonical_cached(s.routing, c.num_experts, c.top_k)))),
     ]
 }
 
