@@ -107,14 +107,19 @@ def test_debug_shows_traceback(monkeypatch):
         main(["sweep", "--simulate", "rtx4090"])
 
 
-def test_verify_reports_a_truncated_database(tmp_path, capsys):
-    db = tmp_path / "t.sqlite"
-    assert main(["sweep", "--simulate", "gb300", "--spec", "smoke", "--db", str(db), "--json"]) == 0
-    capsys.readouterr()
+def _smoke_db(path, capsys):
+    """A small simulated database made through the CLI; its WAL folded in so the file stands alone."""
     import sqlite3
 
-    with sqlite3.connect(db) as c:
+    assert main(["sweep", "--simulate", "gb300", "--spec", "smoke", "--db", str(path), "--json"]) == 0
+    capsys.readouterr()
+    with sqlite3.connect(path) as c:
         c.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    return path
+
+
+def test_verify_reports_a_truncated_database(tmp_path, capsys):
+    db = _smoke_db(tmp_path / "t.sqlite", capsys)
     data = db.read_bytes()
     db.write_bytes(data[: len(data) // 3])
     assert main(["db", "verify", str(db), "--spec", "smoke", "--json"]) == 1
@@ -125,9 +130,7 @@ def test_verify_reports_a_truncated_database(tmp_path, capsys):
 def test_newer_schema_via_cli(tmp_path, capsys):
     import sqlite3
 
-    db = tmp_path / "n.sqlite"
-    assert main(["sweep", "--simulate", "gb300", "--spec", "smoke", "--db", str(db), "--json"]) == 0
-    capsys.readouterr()
+    db = _smoke_db(tmp_path / "n.sqlite", capsys)
     with sqlite3.connect(db) as c:
         c.execute("update alembic_version set version_num='0042'")
     assert main(["db", "show", str(db)]) == 4
