@@ -39,7 +39,7 @@ def _check(name, m, n, k, cfg=None):
 
 @pytest.mark.parametrize("m", MS)
 @pytest.mark.parametrize("n,k", SHAPES)
-@pytest.mark.parametrize("name", ["gemm.cublas", "gemm.smallm"])
+@pytest.mark.parametrize("name", ["gemm.cublas", "gemm.smallm", "gemm.splitk_tc"])
 def test_gemm_default_numerics(name, m, n, k):
     _check(name, m, n, k)
 
@@ -52,6 +52,40 @@ def test_smallm_whole_space_numerics():
             _check("gemm.smallm", m, n, k, cfg)
 
 
+# A stated sample of the tensor-core kernel's space (1620 points per problem): every split, warp layout and
+# token tile at unroll 2, every m_tiles and unroll at one layout; on shapes with clamped rows (N = 280) and
+# clamped tokens (M = 3, 17). Every config is run twice, to check that the split-K counters were reset.
+TC_SAMPLE = sorted({(mt, wn, wk, tm, s, 2) for mt, wn, wk, tm, s in itertools.product((1,), (1, 2, 4), (1, 2, 4),
+                                                                                      (8, 16, 64), (1, 4, 16))}
+                   | {(mt, 2, 2, tm, 8, u) for mt, tm, u in itertools.product((1, 2, 4), (8, 32), (1, 2, 4))})
+
+
+@pytest.mark.parametrize("m,n,k", [(3, 280, 7168), (17, 7168, 768), (64, 1000, 1536)])
+def test_splitk_tc_space_sample_numerics(m, n, k):
+    import torch
+
+    from k3tune.kernels.gemm_splitk_tc import SplitKConfig
+
+    fam = family("gemm.splitk_tc")
+    p = Problem("kda.o_proj", "gemm", (("M", m), ("N", n), ("K", k)))
+    checked = 0
+    for mt, wn, wk, tm, s, u in TC_SAMPLE:
+        cfg = SplitKConfig(m_tiles=mt, warps_n=wn, warps_k=wk, tile_m=tm, split_k=s, unroll=u)
+        if tm not in fam.space(p)["tile_m"] or not fam.valid(cfg, p):
+            continue
+        gen = torch.Generator(device="cuda").manual_seed(checked)
+        inputs = fam.make_inputs(p, torch.device("cuda"), gen)
+        run = fam.build(p, cfg)
+        ref = fam.reference(p, inputs)
+        for _ in range(2):
+            inputs["out"].fill_(float("nan"))
+            err = relative_error(run(inputs), ref)
+            assert err < fam.tolerance(p), (cfg, err)
+        assert int(inputs["counters"].abs().sum()) == 0, cfg  # the last CTA of every tile reset its counter
+        checked += 1
+    assert checked >= 20
+
+
 def test_measurer_runs_the_requested_kernel():
     from k3tune.kernels import gemm_smallm
     from k3tune.search.measure_gpu import GpuBackend
@@ -61,6 +95,18 @@ def test_measurer_runs_the_requested_kernel():
     out = GpuBackend().measure(Task(1, p, "gemm.smallm", {"rows_per_cta": 2, "warps": 8, "split_k": 2, "unroll": 2}, 0, 5))
     assert out.status == "ok" and out.median_us > 0, out
     assert gemm_smallm.compiled.cache_info().misses == before + 1  # compiled (and so launched) this config
+
+
+def test_measurer_runs_the_tensor_core_kernel():
+    from k3tune.kernels import gemm_splitk_tc
+    from k3tune.search.measure_gpu import GpuBackend
+
+    p = Problem("moe.router_latent", "gemm", (("M", 24), ("N", 560), ("K", 7168)))
+    before = gemm_splitk_tc.compiled.cache_info().misses
+    params = {"m_tiles": 1, "warps_n": 2, "warps_k": 2, "tile_m": 32, "split_k": 8, "unroll": 2}
+    out = GpuBackend().measure(Task(1, p, "gemm.splitk_tc", params, 0, 5))
+    assert out.status == "ok" and out.median_us > 0, out
+    assert gemm_splitk_tc.compiled.cache_info().misses == before + 1
 
 
 def test_attention_baselines_on_gpu():

@@ -11,6 +11,7 @@ import pytest
 
 pytest.importorskip("cutlass")
 
+from k3tune.kernels import gemm_splitk_tc  # noqa: E402
 from k3tune.kernels.gemm_smallm import MAX_ACC, compiled  # noqa: E402
 
 SAMPLE = sorted({(m, r, w, s, 1) for m in (1, 16) for r, w, s in itertools.product((1, 2, 4, 8), (2, 4, 8), (1, 2, 4, 8, 16))
@@ -24,3 +25,18 @@ def test_smallm_compiles(arch):
         warnings.simplefilter("ignore", DeprecationWarning)
         for m, r, w, s, u in SAMPLE:
             assert compiled(m, r, w, s, u, arch) is not None, (m, r, w, s, u)
+
+
+BASE_TC = {"m_tiles": 1, "warps_n": 4, "warps_k": 1, "tile_m": 8, "split_k": 4, "unroll": 2}
+TC_VALUES = {"m_tiles": (1, 2, 4), "warps_n": (1, 2, 4), "warps_k": (1, 2, 4), "tile_m": (8, 16, 32, 64),
+             "split_k": (1, 2, 4, 8, 16), "unroll": (1, 2, 4)}
+TC_SAMPLE = sorted({tuple({**BASE_TC, knob: v}.values()) for knob, vals in TC_VALUES.items() for v in vals}
+                   | {(2, 1, 1, 64, 1, 1), (2, 2, 2, 32, 8, 2)})
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_splitk_tc_compiles(arch):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        for knobs in TC_SAMPLE:
+            assert gemm_splitk_tc.compiled(*knobs, arch) is not None, knobs

@@ -1,0 +1,68 @@
+"""A designed grid of one kernel family's configs against cuBLAS, on chosen dense problems (a probe for kernel
+work, not the sweep): every config is checked against the fp32 reference, then timed like bench/gemm.py
+(CUDA graphs, weights rotated past L2, median and IQR).
+
+    python bench/probe_gemm.py --family gemm.splitk_tc --ms 1,8,16,64 \
+        --grid '{"m_tiles": [1, 2], "warps_n": [2, 4], "split_k": [1, 4, 8]}'
+
+Knobs missing from --grid keep the family's default for the problem. Prints one line per config and the
+best per problem, with the fraction of the roofline (bytes / measured copy bandwidth).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+
+import torch
+
+from gemm import copy_bandwidth, measure  # bench/gemm.py (this script runs from bench/)
+from k3tune.errors import CannotImplement
+from k3tune.kernels import family
+from k3tune.plan import model as models, problems as plans, spec as specs
+
+DEFAULT_OPS = "kda.qkvg_proj,kda.o_proj,moe.router_latent,moe.shared_w13,mla.kv_a"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--family", default="gemm.splitk_tc")
+    ap.add_argument("--ops", default=DEFAULT_OPS)
+    ap.add_argument("--tps", default="8,16")
+    ap.add_argument("--ms", default="1,8,16,64")
+    ap.add_argument("--grid", default="{}", help="JSON: knob -> list of values")
+    ap.add_argument("--samples", type=int, default=9)
+    args = ap.parse_args()
+    sp, model = specs.load(), models.load()
+    fam, cublas = family(args.family), family("gemm.cublas")
+    grid = json.loads(args.grid)
+    bw = copy_bandwidth()
+    print(f"# {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s, family {fam.name}, grid {grid}")
+    for tp, op, m in itertools.product([int(t) for t in args.tps.split(",")], args.ops.split(","),
+                                       [int(x) for x in args.ms.split(",")]):
+        p = plans.Problem(op, "gemm", plans.OPS[op].dims(model, plans.Deployment(tp, m, 1, 0, 8192), sp))
+        floor = (p["N"] * p["K"] + m * p["K"] + m * p["N"]) * 2 / bw * 1e6
+        base = measure(cublas.build(p, cublas.default_config(p)), cublas, p, args.samples)
+        best = None
+        for values in itertools.product(*grid.values()):
+            params = {**fam.default_config(p).params(), **dict(zip(grid, values))}
+            try:
+                cfg = fam.config_from_params(p, params)
+            except CannotImplement:
+                continue
+            r = measure(fam.build(p, cfg), fam, p, args.samples)
+            ok = r["err"] < fam.tolerance(p)
+            tag = "" if ok else f" WRONG err={r['err']:.3g}"
+            print(f"  tp{tp} {op:18} M={m:<3} {json.dumps(dict(zip(grid, values)))} {r['us']:7.2f} (±{r['iqr']:.2f})"
+                  f" roof {floor / r['us']:.2f}{tag}", flush=True)
+            if ok and (best is None or r["us"] < best[0]["us"]):
+                best = (r, params)
+        if best:
+            print(f"BEST tp{tp} {op:18} M={m:<3} N={p['N']:<5} K={p['K']:<5} {best[0]['us']:7.2f} cublas {base['us']:7.2f} "
+                  f"speedup {base['us'] / best[0]['us']:.2f}x roof {floor / best[0]['us']:.2f} {json.dumps(best[1])}",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
