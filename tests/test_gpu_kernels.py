@@ -52,12 +52,13 @@ def test_smallm_whole_space_numerics():
             _check("gemm.smallm", m, n, k, cfg)
 
 
-# A stated sample of the tensor-core kernel's space (1620 points per problem): every split, warp layout and
-# token tile at unroll 2, every m_tiles and unroll at one layout; on shapes with clamped rows (N = 280) and
-# clamped tokens (M = 3, 17). Every config is run twice, to check that the split-K counters were reset.
+# A stated sample of the tensor-core kernel's space (2160 points per problem): every split, warp layout and
+# token tile at unroll 2, every m_tiles and unroll at one layout; on shapes with clamped rows (N = 280),
+# clamped tokens (M = 3, 17) and a masked K tail (chunks per CTA not a multiple of warps_k x unroll). Every
+# config is run twice, to check that the split-K counters were reset.
 TC_SAMPLE = sorted({(mt, wn, wk, tm, s, 2) for mt, wn, wk, tm, s in itertools.product((1,), (1, 2, 4), (1, 2, 4),
                                                                                       (8, 16, 64), (1, 4, 16))}
-                   | {(mt, 2, 2, tm, 8, u) for mt, tm, u in itertools.product((1, 2, 4), (8, 32), (1, 2, 4))})
+                   | {(mt, 2, 2, tm, 8, u) for mt, tm, u in itertools.product((1, 2, 4), (8, 32), (1, 2, 4, 8))})
 
 
 @pytest.mark.parametrize("m,n,k", [(3, 280, 7168), (17, 7168, 768), (64, 1000, 1536)])
@@ -103,7 +104,7 @@ def test_measurer_runs_the_tensor_core_kernel():
 
     p = Problem("moe.router_latent", "gemm", (("M", 24), ("N", 560), ("K", 7168)))
     before = gemm_splitk_tc.compiled.cache_info().misses
-    params = {"m_tiles": 1, "warps_n": 2, "warps_k": 2, "tile_m": 32, "split_k": 8, "unroll": 2}
+    params = {"m_tiles": 2, "warps_n": 1, "warps_k": 4, "tile_m": 32, "split_k": 2, "unroll": 1}  # not in TC_SAMPLE
     out = GpuBackend().measure(Task(1, p, "gemm.splitk_tc", params, 0, 5))
     assert out.status == "ok" and out.median_us > 0, out
     assert gemm_splitk_tc.compiled.cache_info().misses == before + 1

@@ -29,7 +29,7 @@ def test_smallm_compiles(arch):
 
 BASE_TC = {"m_tiles": 1, "warps_n": 4, "warps_k": 1, "tile_m": 8, "split_k": 4, "unroll": 2}
 TC_VALUES = {"m_tiles": (1, 2, 4), "warps_n": (1, 2, 4), "warps_k": (1, 2, 4), "tile_m": (8, 16, 32, 64),
-             "split_k": (1, 2, 4, 8, 16), "unroll": (1, 2, 4)}
+             "split_k": (1, 2, 4, 8, 16), "unroll": (1, 2, 4, 8)}
 TC_SAMPLE = sorted({tuple({**BASE_TC, knob: v}.values()) for knob, vals in TC_VALUES.items() for v in vals}
                    | {(2, 1, 1, 64, 1, 1), (2, 2, 2, 32, 8, 2)})
 

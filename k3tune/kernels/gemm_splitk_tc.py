@@ -35,6 +35,7 @@ MAX_M = 512
 KCHUNK = 32  # K per MMA pair (two m16n8k16 steps)
 MAX_SPLIT = 16
 MAX_ACC = 64  # fp32 accumulators per thread: 4 x m_tiles x tile_m / 8
+MAX_REGS = 176  # load-batch + accumulator registers per lane (see _registers)
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,13 @@ class SplitKConfig(KernelConfig):
     warps_k: int = 1  # warps over the CTA's K slice
     tile_m: int = 8  # tokens per CTA (MMA N), a multiple of 8
     split_k: int = 1  # CTAs over K
-    unroll: int = 2  # K-loop unroll: 16-byte loads in flight per lane
+    unroll: int = 4  # K chunks loaded as one batch before their MMAs: 16-byte loads in flight per lane
+
+
+def _registers(cfg: SplitKConfig) -> int:
+    """32-bit registers a lane holds for loads in flight and accumulators (spills past ~200)."""
+    nt = cfg.tile_m // 8
+    return 4 * cfg.unroll * (2 * cfg.m_tiles + nt) + 4 * cfg.m_tiles * nt
 
 
 def _pow2_ceil(x: int) -> int:
@@ -70,7 +77,7 @@ class SplitKTensorCoreGemm(KernelFamily):
             "warps_k": (1, 2, 4),
             "tile_m": tiles,
             "split_k": (1, 2, 4, 8, 16),
-            "unroll": (1, 2, 4),
+            "unroll": (1, 2, 4, 8),
         }
 
     def valid(self, cfg: SplitKConfig, problem: Problem) -> bool:
@@ -80,6 +87,7 @@ class SplitKTensorCoreGemm(KernelFamily):
             chunks % cfg.split_k == 0
             and chunks // cfg.split_k >= cfg.warps_k
             and 4 * cfg.m_tiles * cfg.tile_m // 8 <= MAX_ACC
+            and _registers(cfg) <= MAX_REGS
             and 16 * cfg.m_tiles * cfg.warps_n <= _pow2_ceil(n)  # no CTA made mostly of clamped rows
         )
 
@@ -87,7 +95,7 @@ class SplitKTensorCoreGemm(KernelFamily):
         n, m = problem["N"], problem["M"]
         tile_m = min(64, max(8, _pow2_ceil(m)))
         split = 1 if n >= 4096 else 4 if n >= 1024 else 8
-        return SplitKConfig(m_tiles=1, warps_n=4, warps_k=1, tile_m=tile_m, split_k=split, unroll=2)
+        return SplitKConfig(m_tiles=1, warps_n=4, warps_k=1, tile_m=tile_m, split_k=split, unroll=4 if tile_m <= 16 else 2)
 
     def work(self, problem: Problem, cfg: SplitKConfig) -> Work:
         m, n = problem["M"], problem["N"]
@@ -100,7 +108,7 @@ class SplitKTensorCoreGemm(KernelFamily):
             hbm_bytes=gemm_common.gemm_bytes(problem) * (1 + 0.25 * (m_passes - 1)) + partial,
             flops=2.0 * cfg.tile_m * m_passes * n * problem["K"],
             ctas=ctas,
-            inflight_bytes_per_cta=cfg.warps_n * cfg.warps_k * 32 * 32 * cfg.m_tiles * cfg.unroll,
+            inflight_bytes_per_cta=cfg.warps_n * cfg.warps_k * 32 * 32 * cfg.m_tiles * cfg.unroll,  # W bytes per batch
             tensor_cores=True,
             ctas_per_sm=min(16, 2048 // (cfg.warps_n * cfg.warps_k * 32)),
             launches=1,
@@ -228,27 +236,23 @@ def _kernel_class():
 
             acc = cute.make_rmem_tensor(cute.make_layout((4, MT, NT)), Float32)
             acc.fill(0.0)
-            rw = cute.make_rmem_tensor(cute.make_layout((VEC, 2 * MT)), BFloat16)
-            rx = cute.make_rmem_tensor(cute.make_layout((VEC, NT)), BFloat16)
+            U = self.unroll
+            rw = cute.make_rmem_tensor(cute.make_layout((VEC, 2 * MT, U)), BFloat16)
+            rx = cute.make_rmem_tensor(cute.make_layout((VEC, NT, U)), BFloat16)
             fa = cute.make_rmem_tensor(cute.make_layout((8, MT)), BFloat16)  # MMA operand order (PTX a0..a7)
             fb = cute.make_rmem_tensor(cute.make_layout((4, NT)), BFloat16)
-            for kc in cutlass.range(wkk, chunks, WK, unroll=self.unroll):
-                kv = (kc0 + kc) * 4 + c  # this lane's 16-byte vector index along K
-                for i in cutlass.range_constexpr(2 * MT):
-                    cute.copy(w_atom, gW[(None, (wrows[i], kv))], rw[None, i])
-                for j in cutlass.range_constexpr(NT):
-                    cute.copy(x_atom, gX[(None, (toks[j], kv))], rx[None, j])
-                for s in cutlass.range_constexpr(2):  # two k16 steps; step s takes vector elements 4s..4s+3
-                    for i in cutlass.range_constexpr(MT):
-                        for h in cutlass.range_constexpr(2):  # a0a1 / a4a5 (row g), a2a3 / a6a7 (row g+8)
-                            fa[4 * h, i] = rw[4 * s + 2 * h, 2 * i]
-                            fa[4 * h + 1, i] = rw[4 * s + 2 * h + 1, 2 * i]
-                            fa[4 * h + 2, i] = rw[4 * s + 2 * h, 2 * i + 1]
-                            fa[4 * h + 3, i] = rw[4 * s + 2 * h + 1, 2 * i + 1]
-                    for j in cutlass.range_constexpr(NT):
-                        for v in cutlass.range_constexpr(4):
-                            fb[v, j] = rx[4 * s + v, j]
-                    cute.gemm(mma, acc, fa, fb, acc)
+            tmp = cute.make_rmem_tensor(cute.make_layout((4, MT, NT)), Float32)
+            # batches of U consecutive chunks: every load of a batch is issued before the first MMA, so a warp
+            # keeps U x (2 MT + NT) 16-byte loads per lane in flight instead of waiting a round trip per chunk.
+            # No branch may separate a load from its MMA (the compiler would sink the load into it): whole
+            # batches first, then one batch whose clamped tail is masked arithmetically.
+            full = chunks - chunks % (WK * U)
+            for kb in cutlass.range(wkk * U, full, WK * U):
+                self._batch(gW, gX, w_atom, x_atom, mma, wrows, toks, kc0, kb, chunks, c, rw, rx, fa, fb, acc, tmp,
+                            False)
+            if full < chunks:
+                self._batch(gW, gX, w_atom, x_atom, mma, wrows, toks, kc0, full + wkk * U, chunks, c, rw, rx, fa, fb,
+                            acc, tmp, True)
 
             nacc = 4 * MT * NT
             smem = cutlass.utils.SmemAllocator()
@@ -287,6 +291,38 @@ def _kernel_class():
                         self._store(acc, mY, row0, tok0, g, c, m, n)
                     if tidx == 0:
                         mCnt[bidx, bidy] = Int32(0)
+
+        @cute.jit
+        def _batch(self, gW, gX, w_atom, x_atom, mma, wrows, toks, kc0, kb, chunks, c, rw, rx, fa, fb, acc, tmp,
+                   masked: cutlass.Constexpr):
+            MT, NT, U = self.mt, self.nt, self.unroll
+            for u in cutlass.range_constexpr(U):
+                kv = (kc0 + cutlass.min(kb + u, chunks - 1)) * 4 + c  # lane's 16-byte vector along K
+                for i in cutlass.range_constexpr(2 * MT):
+                    cute.copy(w_atom, gW[(None, (wrows[i], kv))], rw[None, i, u])
+                for j in cutlass.range_constexpr(NT):
+                    cute.copy(x_atom, gX[(None, (toks[j], kv))], rx[None, j, u])
+            for u in cutlass.range_constexpr(U):
+                if cutlass.const_expr(masked):
+                    tmp.fill(0.0)
+                for s in cutlass.range_constexpr(2):  # two k16 steps: vector elements 4s..4s+3
+                    for i in cutlass.range_constexpr(MT):
+                        for h in cutlass.range_constexpr(2):  # a0a1/a4a5 (row g), a2a3/a6a7 (row g+8)
+                            fa[4 * h, i] = rw[4 * s + 2 * h, 2 * i, u]
+                            fa[4 * h + 1, i] = rw[4 * s + 2 * h + 1, 2 * i, u]
+                            fa[4 * h + 2, i] = rw[4 * s + 2 * h, 2 * i + 1, u]
+                            fa[4 * h + 3, i] = rw[4 * s + 2 * h + 1, 2 * i + 1, u]
+                    for j in cutlass.range_constexpr(NT):
+                        for v in cutlass.range_constexpr(4):
+                            fb[v, j] = rx[4 * s + v, j, u]
+                    if cutlass.const_expr(masked):
+                        cute.gemm(mma, tmp, fa, fb, tmp)
+                    else:
+                        cute.gemm(mma, acc, fa, fb, acc)
+                if cutlass.const_expr(masked):
+                    keep = cutlass.max(cutlass.min(chunks - kb - u, 1), 0).to(Float32)  # 1 inside K, else 0
+                    for e in cutlass.range_constexpr(4 * MT * NT):
+                        acc[e] = acc[e] + tmp[e] * keep
 
         @cute.jit
         def _store(self, acc: cute.Tensor, out: cute.Tensor, row0, tok0, g, c, m, n):
