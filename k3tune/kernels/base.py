@@ -93,6 +93,10 @@ class KernelFamily:
                 return c
             raise CannotImplement(f"{self.name} has no valid config for {problem.key}") from None
 
+    def seeds(self, problem: Problem) -> list[KernelConfig]:
+        """Hand-picked starting points the search measures first (after the default); none unless declared."""
+        return []
+
     def configs(self, problem: Problem) -> Iterator[KernelConfig]:
         space = self.space(problem)
         names = list(space)

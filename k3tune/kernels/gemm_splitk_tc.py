@@ -92,10 +92,22 @@ class SplitKTensorCoreGemm(KernelFamily):
         )
 
     def default(self, problem: Problem) -> SplitKConfig:
-        n, m = problem["N"], problem["M"]
+        return self.seeds(problem)[0] if self.seeds(problem) else SplitKConfig()
+
+    def seeds(self, problem: Problem) -> list[SplitKConfig]:
+        """Warp layouts that fill the GPU: each with the smallest split-K giving >= 2 CTAs per SM (H200/GB300)."""
+        m, n = problem["M"], problem["N"]
         tile_m = min(64, max(8, _pow2_ceil(m)))
-        split = 1 if n >= 4096 else 4 if n >= 1024 else 8
-        return SplitKConfig(m_tiles=1, warps_n=4, warps_k=1, tile_m=tile_m, split_k=split, unroll=4 if tile_m <= 16 else 2)
+        out = []
+        for mt, wn, wk, u in ((1, 1, 4, 8), (1, 2, 2, 8), (1, 4, 1, 8), (2, 2, 2, 4)):
+            u = u if tile_m <= 16 else 2
+            row_ctas = math.ceil(n / (16 * mt * wn)) * math.ceil(m / tile_m)
+            for split in (1, 2, 4, 8, 16):
+                cfg = SplitKConfig(m_tiles=mt, warps_n=wn, warps_k=wk, tile_m=tile_m, split_k=split, unroll=u)
+                if self.valid(cfg, problem) and (row_ctas * split >= 264 or split == 16):
+                    out.append(cfg)
+                    break
+        return out
 
     def work(self, problem: Problem, cfg: SplitKConfig) -> Work:
         m, n = problem["M"], problem["N"]
@@ -337,12 +349,12 @@ def _kernel_class():
 
         @cute.jit
         def _accumulate(self, acc: cute.Tensor, part: cute.Tensor, row0, tok0, g, c, m, n):
+            # clamped indices, no branch: the loads of every slice issue together (a branch would serialise them)
             for i in cutlass.range_constexpr(self.mt):
                 for jt in cutlass.range_constexpr(self.nt):
                     for e in cutlass.range_constexpr(4):
-                        r = row0 + i * 16 + g + 8 * (e // 2)
-                        t = tok0 + jt * 8 + 2 * c + (e % 2)
-                        if r < n and t < m:
-                            acc[e, i, jt] = acc[e, i, jt] + part[t, r]
+                        r = cutlass.min(row0 + i * 16 + g + 8 * (e // 2), n - 1)
+                        t = cutlass.min(tok0 + jt * 8 + 2 * c + (e % 2), m - 1)
+                        acc[e, i, jt] = acc[e, i, jt] + part[t, r]
 
     return SplitKTcKernel

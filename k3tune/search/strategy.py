@@ -96,6 +96,7 @@ class ProblemSearch:
                 continue
             self._absorb(Candidate(t.family, t.params, t.params_key, t.round), t.status.value, t.median_us, t.spread_us)
         seeds = [(f, f.default_config(self.problem)) for f in self.families]
+        seeds += [(f, c) for f in self.families for c in f.seeds(self.problem)]
         for fam_name, params in self.warm:
             if fam_name in self.fams:
                 try:
@@ -177,7 +178,13 @@ class ProblemSearch:
             if self.in_flight:
                 return None
             self.phase = "remeasure"
-            self.queue = [Candidate(r.candidate.family, r.candidate.params, r.candidate.key, 1) for r in self._ranked()]
+            # the top few, and always the safe baseline: the winner is chosen against it on remeasured numbers
+            finalists = self._ranked()
+            safe = self.results.get((self.families[0].name,
+                                     params_key(self.families[0].default_config(self.problem).params()), 0))
+            if safe is not None and safe.status == "ok" and safe not in finalists:
+                finalists.append(safe)
+            self.queue = [Candidate(r.candidate.family, r.candidate.params, r.candidate.key, 1) for r in finalists]
         if self.phase == "remeasure":
             while self.queue:
                 cand = self.queue.pop(0)
