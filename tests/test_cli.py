@@ -140,3 +140,11 @@ def test_newer_schema_via_cli(tmp_path, capsys):
 def test_typer_app_object_is_importable():
     assert app.info.name == "k3tune"
     assert shutil.which("k3tune") or Path(__file__).exists()
+
+
+def test_shipped_h200_database_is_current():
+    """Every shipped winner was tuned with the kernel sources in this tree: a kernel change needs a re-sweep."""
+    from k3tune.shipped import configs_dir, tuning_db_dir
+
+    spec = str(configs_dir() / "sweep_h200_dense.toml")
+    assert main(["db", "verify", str(tuning_db_dir() / "h200.sqlite"), "--spec", spec]) == 0

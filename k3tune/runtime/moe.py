@@ -1,0 +1,375 @@
+"""The per-rank MoE block of K3's decode step, as a serving engine runs it, with two paths:
+
+``stock``: what a stock engine runs (F.linear for the full router + latent projection on every rank,
+torch.topk, torch._grouped_mm for the routed experts, the shared experts serially after them).
+``tuned``: every dense GEMM is the kernel the runtime selector picks for this deployment (the router +
+latent projection split across the TP ranks and gathered), the shared experts on a side stream (an SM
+partition from a green context when the selector gives the block ``shared_sms > 0``), MXFP4 or bf16 experts.
+``block.ran`` says, per step of the block, which implementation ran and why: tests assert it.
+
+Dataflow per rank (tp ranks; weights of rank ``rank``):
+  x [B, H] -> y = x W_rl[rank]^T   ((E + L) / tp rows of the fused [router; latent-down] matrix)
+           -> all-gather -> scores [B, E], latent [B, L]
+  routing: s = sigmoid(scores); top-k of s + correction bias; weights s[top] / sum(s[top]) * scaling
+  routed experts (TP-sharded: w13 [2 I / tp, L] per expert, gate rows then up rows; w2 [L, I / tp]):
+           partial latent = sum_k weight_k * situ(latent w13_e^T) w2_e^T -> all-reduce (it feeds a norm)
+  out = (RMSNorm(latent) W_up^T) + all-reduce(shared partial)   (W_up replicated, the shared experts
+        TP-sharded like the routed ones: w13 [2 S / tp, H], w2 [H, S / tp])
+
+On one GPU the collectives are emulated (``EmulatedComm``): the other ranks are taken to hold the same
+shards as this one (all-gather repeats this rank's part, all-reduce multiplies by tp), and each collective
+can occupy the GPU for the time the target's NVLink would take without touching HBM. ``virtual_full``
+builds the unsharded weights that this convention implies, so a TP-free torch reference can check any tp.
+
+SiTU (``hidden_act: situ``, beta 4, linear beta 25 in K3's config) is not defined in any source available
+here; this module assumes the gated form of gpt-oss's clamped SwiGLU: situ(g, u) = g * sigmoid(beta g) *
+clamp(u, -linear_beta, linear_beta). It is one function (``situ``): the block's cost does not depend on it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from k3tune.errors import ConfigError
+from k3tune.kernels import mxfp4
+
+
+@dataclass(frozen=True)
+class BlockShape:
+    hidden: int = 7168
+    experts: int = 896
+    top_k: int = 16
+    latent: int = 3584
+    inter: int = 3072  # one routed expert's intermediate width
+    shared_inter: int = 6144  # the shared experts' intermediate widths, fused
+    situ_beta: float = 4.0
+    situ_linear_beta: float = 25.0
+    rms_eps: float = 1e-5
+    scaling: float = 1.0
+
+    @classmethod
+    def from_config(cls, path: str | Path) -> BlockShape:
+        """From a HuggingFace-style config (K3's: ``text_config`` nested)."""
+        raw = json.loads(Path(path).read_text())
+        c = raw.get("text_config", raw)
+        try:
+            return cls(hidden=c["hidden_size"], experts=c["num_experts"], top_k=c["num_experts_per_token"],
+                       latent=c["routed_expert_hidden_size"], inter=c["moe_intermediate_size"],
+                       shared_inter=c["num_shared_experts"] * c["moe_intermediate_size"],
+                       situ_beta=c.get("activation_situ_beta", 4.0),
+                       situ_linear_beta=c.get("activation_situ_linear_beta", 25.0),
+                       rms_eps=c.get("rms_norm_eps", 1e-5), scaling=c.get("routed_scaling_factor", 1.0))
+        except KeyError as e:
+            raise ConfigError(f"{path}: MoE config key {e} missing") from None
+
+    def check_tp(self, tp: int) -> None:
+        for what, n in (("router + latent width", self.experts + self.latent), ("expert width", self.inter),
+                        ("shared-expert width", self.shared_inter)):
+            if n % tp:
+                raise ConfigError(f"tp={tp} does not divide the {what} ({n})")
+        if (self.inter // tp) % mxfp4.BLOCK:
+            raise ConfigError(f"tp={tp}: expert width per rank {self.inter // tp} is not a multiple of "
+                              f"{mxfp4.BLOCK} (MXFP4 blocks)")
+
+
+def situ(gate, up, beta: float, linear_beta: float):
+    import torch
+
+    return gate * torch.sigmoid(beta * gate) * up.clamp(-linear_beta, linear_beta)
+
+
+@dataclass
+class RankWeights:
+    """One rank's weights. Expert weights are bf16 tensors, or (codes, scales) pairs when ``fmt == 'mxfp4'``."""
+    shape: BlockShape
+    tp: int
+    rank: int
+    fmt: str  # "bf16" | "mxfp4"
+    w_rl: object  # [(E + L) / tp, H]
+    bias: object  # [E] fp32 correction bias
+    w13: object  # [E, 2 I / tp, L]
+    w2: object  # [E, L, I / tp]
+    norm: object  # [L]
+    w_up: object  # [H, L]
+    shared_w13: object  # [2 S / tp, H]
+    shared_w2: object  # [H, S / tp]
+
+    def expert_w13_bf16(self):
+        return self.w13 if self.fmt == "bf16" else mxfp4.dequantize(*self.w13)
+
+    def expert_w2_bf16(self):
+        return self.w2 if self.fmt == "bf16" else mxfp4.dequantize(*self.w2)
+
+
+def random_weights(shape: BlockShape, tp: int, rank: int = 0, fmt: str = "bf16", device="cpu",
+                   seed: int = 0) -> RankWeights:
+    """Random weights of the true per-rank shapes, scaled so that activations stay O(1)."""
+    import torch
+
+    shape.check_tp(tp)
+    if fmt not in ("bf16", "mxfp4"):
+        raise ConfigError(f"expert weight format {fmt!r}: expected bf16 or mxfp4")
+    g = torch.Generator(device=device).manual_seed(seed * 1000 + rank)
+    h, e, lat, i, s = shape.hidden, shape.experts, shape.latent, shape.inter // tp, shape.shared_inter // tp
+
+    def mat(*dims, fan_in):
+        return (torch.randn(*dims, generator=g, device=device) / fan_in ** 0.5).to(torch.bfloat16)
+
+    w13, w2 = mat(e, 2 * i, lat, fan_in=lat), mat(e, lat, i, fan_in=shape.inter)
+    if fmt == "mxfp4":
+        w13, w2 = mxfp4.quantize(w13), mxfp4.quantize(w2)
+    return RankWeights(shape, tp, rank, fmt,
+                       w_rl=mat((e + shape.latent) // tp, h, fan_in=h),
+                       bias=(torch.randn(e, generator=g, device=device) * 0.1).float(),
+                       w13=w13, w2=w2,
+                       norm=(1 + 0.1 * torch.randn(lat, generator=g, device=device)).to(torch.bfloat16),
+                       w_up=mat(h, lat, fan_in=lat),
+                       shared_w13=mat(2 * s, h, fan_in=h), shared_w2=mat(h, s, fan_in=shape.shared_inter))
+
+
+def virtual_full(w: RankWeights) -> dict:
+    """The unsharded bf16 weights implied by 'every rank holds this rank's shards' (fp32, for references)."""
+    import torch
+
+    tp = w.tp
+
+    def rows(t):  # gate rows then up rows, per rank: the full matrix has all gates, then all ups
+        gate, up = t.float().chunk(2, dim=-2)
+        return torch.cat([gate] * tp + [up] * tp, dim=-2)
+
+    return {"w_rl": torch.cat([w.w_rl.float()] * tp, dim=0), "bias": w.bias.float(),
+            "w13": rows(w.expert_w13_bf16()), "w2": torch.cat([w.expert_w2_bf16().float()] * tp, dim=-1),
+            "norm": w.norm.float(), "w_up": w.w_up.float(),
+            "shared_w13": rows(w.shared_w13), "shared_w2": torch.cat([w.shared_w2.float()] * tp, dim=-1)}
+
+
+def reference(x, full: dict, shape: BlockShape, top=None):
+    """The block in plain fp32 torch on unsharded weights: a loop over tokens and their experts, no TP.
+
+    Returns (output, the experts used, the biased routing scores). ``top`` imposes the experts (to compare
+    against an executor whose bf16 scores broke a near-tie the other way; see ``routing_agrees``)."""
+    import torch
+
+    x = x.float()
+    y = x @ full["w_rl"].t()
+    scores, latent = y[:, :shape.experts], y[:, shape.experts:]
+    s = torch.sigmoid(scores)
+    biased = s + full["bias"]
+    if top is None:
+        top = torch.topk(biased, shape.top_k, dim=-1).indices
+    weights = s.gather(1, top)
+    weights = weights / weights.sum(-1, keepdim=True) * shape.scaling
+    routed = torch.zeros_like(latent)
+    for b in range(x.shape[0]):
+        for j in range(shape.top_k):
+            e = int(top[b, j])
+            gate, up = (latent[b] @ full["w13"][e].t()).chunk(2)
+            routed[b] += weights[b, j] * (situ(gate, up, shape.situ_beta, shape.situ_linear_beta) @ full["w2"][e].t())
+    normed = routed * torch.rsqrt(routed.pow(2).mean(-1, keepdim=True) + shape.rms_eps) * full["norm"]
+    gate, up = (x @ full["shared_w13"].t()).chunk(2, dim=-1)
+    shared = situ(gate, up, shape.situ_beta, shape.situ_linear_beta) @ full["shared_w2"].t()
+    return normed @ full["w_up"].t() + shared, top, biased
+
+
+def routing_agrees(top, biased, shape: BlockShape, tol: float = 1e-2) -> bool:
+    """True when the experts ``top`` chose differ from the fp32 top-k only where scores are within ``tol``."""
+    import torch
+
+    k = shape.top_k
+    ref_sorted = torch.sort(biased, dim=-1, descending=True).values
+    kth = ref_sorted[:, k - 1:k]  # the k-th best score per token
+    chosen = biased.gather(1, top.long())
+    return bool((chosen >= kth - tol).all()) and all(len(set(r.tolist())) == k for r in top)
+
+
+class EmulatedComm:
+    """Collectives of a TP group on one GPU: the other ranks hold this rank's shards (see module doc).
+    ``stand_in_us`` > 0 also occupies the GPU that long per collective without touching HBM."""
+
+    def __init__(self, tp: int, stand_in_us: float = 0.0):
+        self.tp, self.stand_in_us = tp, stand_in_us
+        self.label = "identity (tp=1)" if tp == 1 else f"emulated (tp={tp}, stand-in {stand_in_us:.1f} us)"
+
+    def _occupy(self, x):
+        import torch
+
+        if self.stand_in_us > 0 and x.is_cuda:
+            torch.cuda._sleep(int(self.stand_in_us * _SPIN_CYCLES_PER_US))
+
+    def all_gather(self, x):
+        import torch
+
+        self._occupy(x)
+        return x if self.tp == 1 else torch.cat([x] * self.tp, dim=-1)
+
+    def all_reduce(self, x):
+        self._occupy(x)
+        return x if self.tp == 1 else x * self.tp
+
+
+_SPIN_CYCLES_PER_US = 1980  # torch.cuda._sleep spins in SM clock cycles; H200 boost clock 1.98 GHz
+
+
+@dataclass
+class _Gemm:
+    """One dense GEMM bound to its weight and buffers, run through a kernel family's build()."""
+    op: str
+    label: str
+    inputs: dict
+    run: object
+
+    def __call__(self, x):
+        self.inputs["x"].copy_(x)
+        return self.run(self.inputs)
+
+
+@dataclass
+class MoEBlock:
+    """A per-rank MoE block for ``tokens`` tokens per step. Build with ``MoEBlock.build``."""
+    weights: RankWeights
+    path: str
+    tokens: int
+    comm: EmulatedComm
+    ran: dict = field(default_factory=dict)
+    _gemms: dict = field(default_factory=dict)
+    _cache: dict = field(default_factory=dict)
+    _side: object = None
+    last_top: object = None  # the experts the last step chose [tokens, top_k]
+
+    @classmethod
+    def build(cls, weights: RankWeights, path: str, batch: int, draft: int = 0, selector=None,
+              comm: EmulatedComm | None = None, shared_stream=None) -> MoEBlock:
+        import torch
+
+        if path not in ("stock", "tuned"):
+            raise ConfigError(f"MoE block path {path!r}: expected stock or tuned")
+        tokens = batch * (1 + draft)
+        blk = cls(weights, path, tokens, comm or EmulatedComm(weights.tp))
+        w = weights
+        dev = w.w_rl.device
+        blk.ran["collectives"] = blk.comm.label
+        if path == "stock":
+            if w.fmt != "bf16":
+                raise ConfigError("the stock path runs bf16 experts (what a stock engine runs); got mxfp4")
+            blk._cache["w_rl_full"] = torch.cat([w.w_rl] * w.tp, dim=0)  # computed in full on every rank
+            blk.ran["router_latent"] = "F.linear (full width on every rank)"
+            blk.ran["dense"] = "F.linear"
+            blk.ran["shared"] = "serial, after the routed experts"
+        else:
+            if selector is None:
+                raise ConfigError("the tuned path needs a runtime selector")
+            for op, weight in (("moe.router_latent", w.w_rl), ("moe.latent_up", w.w_up),
+                               ("moe.shared_w13", w.shared_w13), ("moe.shared_w2", w.shared_w2)):
+                blk._gemms[op] = _bind_gemm(selector, op, weight, tokens, batch, draft, w.tp, dev)
+                blk.ran[op] = blk._gemms[op].label
+            blk.ran["router_latent"] = blk._gemms["moe.router_latent"].label + ", split across ranks + all-gather"
+            if shared_stream is not None:
+                blk._side = shared_stream
+                blk.ran["shared"] = f"side stream {getattr(shared_stream, 'k3tune_label', '')}".strip()
+            else:
+                blk.ran["shared"] = "serial, after the routed experts"
+        blk._cache["w13_t"] = None if w.fmt == "mxfp4" else w.w13.transpose(1, 2)
+        blk._cache["w2_t"] = None if w.fmt == "mxfp4" else w.w2.transpose(1, 2)
+        blk.ran["experts"] = ("torch._grouped_mm bf16" if w.fmt == "bf16"
+                              else "MXFP4 dequantised (torch reference) + torch._grouped_mm")
+        return blk
+
+    # ---- the step --------------------------------------------------------------------------------
+    def __call__(self, x):
+        import torch
+
+        w, shape = self.weights, self.weights.shape
+        side = self._side
+        if side is not None:  # the shared experts start with the block, beside routing and the experts
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                shared = self._shared(x)
+        if self.path == "stock":
+            y = torch.nn.functional.linear(x, self._cache["w_rl_full"])
+        else:
+            y = self.comm.all_gather(self._gemms["moe.router_latent"](x))
+        scores, latent = y[:, :shape.experts], y[:, shape.experts:]
+        top, weights = self._route(scores, w.bias, shape)
+        self.last_top = top
+        routed = self.comm.all_reduce(self._experts(latent, top, weights))
+        normed = _rmsnorm(routed, w.norm, shape.rms_eps)
+        up = torch.nn.functional.linear(normed, w.w_up) if self.path == "stock" else self._gemms["moe.latent_up"](normed)
+        if side is None:
+            shared = self._shared(x)
+        else:
+            torch.cuda.current_stream().wait_stream(side)
+        return up + self.comm.all_reduce(shared)
+
+    def _shared(self, x):
+        import torch
+
+        w, shape = self.weights, self.weights.shape
+        f = torch.nn.functional.linear
+        h = f(x, w.shared_w13) if self.path == "stock" else self._gemms["moe.shared_w13"](x)
+        gate, up = h.chunk(2, dim=-1)
+        a = situ(gate.float(), up.float(), shape.situ_beta, shape.situ_linear_beta).to(x.dtype)
+        return f(a, w.shared_w2) if self.path == "stock" else self._gemms["moe.shared_w2"](a)
+
+    @staticmethod
+    def _route(scores, bias, shape: BlockShape):
+        import torch
+
+        s = torch.sigmoid(scores.float())
+        top = torch.topk(s + bias, shape.top_k, dim=-1).indices
+        weights = s.gather(1, top)
+        return top, weights / weights.sum(-1, keepdim=True) * shape.scaling
+
+    def _experts(self, latent, top, weights):
+        """Tokens gathered per expert, one grouped GEMM per projection over all experts (empty groups cost
+        nothing), SiTU between, weighted scatter-add back to tokens. Static shapes: graph-capturable."""
+        import torch
+
+        w, shape = self.weights, self.weights.shape
+        b, k = top.shape
+        flat = top.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        token = order // k
+        offs = torch.cumsum(torch.bincount(flat, minlength=shape.experts), 0).to(torch.int32)
+        a = latent.index_select(0, token).contiguous()
+        w13_t = self._cache["w13_t"] if self._cache["w13_t"] is not None else w.expert_w13_bf16().transpose(1, 2)
+        w2_t = self._cache["w2_t"] if self._cache["w2_t"] is not None else w.expert_w2_bf16().transpose(1, 2)
+        h = torch._grouped_mm(a, w13_t, offs=offs)
+        gate, up = h.chunk(2, dim=-1)
+        act = situ(gate.float(), up.float(), shape.situ_beta, shape.situ_linear_beta).to(latent.dtype)
+        out = torch._grouped_mm(act.contiguous(), w2_t, offs=offs).float()
+        out = out * weights.reshape(-1).index_select(0, order).unsqueeze(1)
+        return torch.zeros(b, shape.latent, device=latent.device).index_add_(0, token, out).to(latent.dtype)
+
+
+def _rmsnorm(x, weight, eps: float):
+    import torch
+
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+
+
+def _bind_gemm(selector, op: str, weight, tokens: int, batch: int, draft: int, tp: int, device) -> _Gemm:
+    """The selector's kernel for ``op`` built for exactly ``tokens`` rows and bound to ``weight``. A tuned
+    config that does not fit this exact size (it was tuned for its bucket) gives the family's default, and
+    the label says so."""
+    import torch
+
+    from k3tune.errors import CannotImplement
+    from k3tune.kernels import family
+    from k3tune.plan.problems import Problem
+
+    choice = selector.lookup(op, tp, batch, draft)
+    n, k = weight.shape
+    problem = Problem(op, "gemm", (("M", tokens), ("N", n), ("K", k)))
+    fam = family(choice.family)
+    how = choice.source
+    try:
+        cfg = fam.config_from_params(problem, dict(choice.params))
+    except CannotImplement as e:
+        cfg, how = fam.default_config(problem), f"{choice.source}; default config ({e})"
+    inputs = fam.make_inputs(problem, device, torch.Generator(device=device).manual_seed(0))
+    inputs["w"] = weight
+    label = f"{fam.name} {json.dumps(cfg.params(), sort_keys=True)} ({how})"
+    return _Gemm(op, label, inputs, fam.build(problem, cfg))

@@ -1,0 +1,69 @@
+"""SM partitions for running the shared experts beside the routed ones: a CUDA green context with a fixed
+number of SMs (cuda-python driver API), and a torch stream on it.
+
+Hopper hands out SM groups in multiples of 8 (at least 8); Blackwell's granularity is read from the device.
+The partition lives as long as the returned object; kernels launched on its stream run only on its SMs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from k3tune.errors import ConfigError, HardwareError
+
+SM_GRANULE = 8  # Hopper: partitions are multiples of 8 SMs
+
+
+def _check(result, what: str):
+    from cuda.bindings import driver as cuda
+
+    err, *rest = result if isinstance(result, tuple) else (result,)
+    if err != cuda.CUresult.CUDA_SUCCESS:
+        raise HardwareError(f"{what} failed: {err.name if hasattr(err, 'name') else err}")
+    return rest[0] if len(rest) == 1 else rest
+
+
+@dataclass
+class SmPartition:
+    sms: int  # SMs actually granted
+    stream: object  # torch.cuda.ExternalStream on the green context
+    _ctx: object = None
+    _raw_stream: object = None
+
+    def close(self) -> None:
+        from cuda.bindings import driver as cuda
+
+        if self._raw_stream is not None:
+            cuda.cuStreamDestroy(self._raw_stream)
+            self._raw_stream = None
+        if self._ctx is not None:
+            cuda.cuGreenCtxDestroy(self._ctx)
+            self._ctx = None
+
+
+def green_partition(n_sms: int, device: int = 0) -> SmPartition:
+    """A green context of ``n_sms`` SMs (a multiple of 8) and a non-blocking torch stream on it."""
+    import torch
+    from cuda.bindings import driver as cuda
+
+    if n_sms <= 0 or n_sms % SM_GRANULE:
+        raise ConfigError(f"an SM partition needs a positive multiple of {SM_GRANULE} SMs, got {n_sms}")
+    if not torch.cuda.is_available():
+        raise HardwareError("SM partitions need a CUDA GPU")
+    total = torch.cuda.get_device_properties(device).multi_processor_count
+    if n_sms >= total:
+        raise ConfigError(f"an SM partition of {n_sms} SMs leaves nothing of the {total} SMs for the rest")
+    torch.cuda.init()  # torch's primary context first: the green context shares its device
+    dev = _check(cuda.cuDeviceGet(device), "cuDeviceGet")
+    res = _check(cuda.cuDeviceGetDevResource(dev, cuda.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM),
+                 "cuDeviceGetDevResource")
+    groups, _, _ = _check(cuda.cuDevSmResourceSplitByCount(1, res, 0, n_sms), "cuDevSmResourceSplitByCount")
+    desc = _check(cuda.cuDevResourceGenerateDesc([groups[0]], 1), "cuDevResourceGenerateDesc")
+    ctx = _check(cuda.cuGreenCtxCreate(desc, dev, cuda.CUgreenCtxCreate_flags.CU_GREEN_CTX_DEFAULT_STREAM),
+                 "cuGreenCtxCreate")
+    raw = _check(cuda.cuGreenCtxStreamCreate(ctx, cuda.CUstream_flags.CU_STREAM_NON_BLOCKING, 0),
+                 "cuGreenCtxStreamCreate")
+    stream = torch.cuda.ExternalStream(int(raw), device=device)
+    granted = groups[0].sm.smCount
+    stream.k3tune_label = f"(green context, {granted} SMs)"
+    return SmPartition(granted, stream, ctx, raw)

@@ -1,0 +1,100 @@
+"""The MoE block executor on the CPU at reduced widths (every path, both weight formats, tp 1 and 4), the
+MXFP4 format, and the executor's refusals. The same checks at K3's true shapes run on a GPU:
+tests/test_gpu_moe.py."""
+
+import pytest
+import torch
+
+from k3tune.errors import ConfigError
+from k3tune.kernels import mxfp4
+from k3tune.runtime import Selector
+from k3tune.runtime.moe import (BlockShape, EmulatedComm, MoEBlock, random_weights, reference, routing_agrees,
+                                virtual_full)
+
+SMALL = BlockShape(hidden=256, experts=32, top_k=4, latent=128, inter=128, shared_inter=256)
+
+
+def test_mxfp4_round_trips_representable_values_exactly():
+    vals = torch.tensor(mxfp4.E2M1 + tuple(-v for v in mxfp4.E2M1))
+    w = vals.repeat(8).reshape(4, 32) * 2.0 ** torch.arange(-2, 2).unsqueeze(1)  # one scale per row
+    codes, scales = mxfp4.quantize(w)
+    assert codes.shape == (4, 16) and scales.shape == (4, 1) and codes.dtype == torch.uint8
+    assert torch.equal(mxfp4.dequantize(codes, scales, torch.float32), w)
+
+
+def test_mxfp4_quantisation_error_is_bounded():
+    w = torch.randn(64, 256)
+    back = mxfp4.dequantize(*mxfp4.quantize(w), torch.float32)
+    # E2M1 keeps one mantissa bit: half a step is at most 1/6 of the value above 0.5 x scale, blocks share a scale
+    assert ((back - w).norm() / w.norm()).item() < 0.15
+    assert torch.all((back == 0) | (back.sign() == w.sign()))
+    assert mxfp4.nbytes(64, 256) == 64 * 128 + 64 * 8
+
+
+def test_mxfp4_refuses_ragged_k():
+    with pytest.raises(ConfigError, match="multiple of 32"):
+        mxfp4.quantize(torch.randn(4, 48))
+
+
+def _check(blk, w, batch, seed=0):
+    x = torch.randn(batch, w.shape.hidden, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+    out = blk(x)
+    full = virtual_full(w)
+    _, _, biased = reference(x, full, w.shape)
+    assert routing_agrees(blk.last_top, biased, w.shape)
+    ref, _, _ = reference(x, full, w.shape, top=blk.last_top)
+    err = ((out.float() - ref).norm() / ref.norm()).item()
+    assert err < 2e-2, err
+    return err
+
+
+@pytest.mark.parametrize("tp", [1, 4])
+def test_stock_path_matches_the_reference(tp):
+    w = random_weights(SMALL, tp, seed=tp)
+    blk = MoEBlock.build(w, "stock", batch=3)
+    _check(blk, w, 3)
+    assert blk.ran["experts"] == "torch._grouped_mm bf16" and blk.ran["shared"].startswith("serial")
+    assert blk.ran["collectives"].startswith("identity" if tp == 1 else "emulated")
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
+@pytest.mark.parametrize("tp", [1, 4])
+def test_tuned_path_runs_the_selectors_kernels_and_matches(tp, fmt):
+    sel = Selector.load(None)  # no GPU here: heuristic defaults, and the labels say so
+    w = random_weights(SMALL, tp, fmt=fmt, seed=7)
+    blk = MoEBlock.build(w, "tuned", batch=2, draft=1, selector=sel)
+    assert blk.tokens == 4
+    _check(blk, w, 4)
+    for op in ("moe.router_latent", "moe.latent_up", "moe.shared_w13", "moe.shared_w2"):
+        assert blk.ran[op].startswith("gemm.cublas") and "heuristic default" in blk.ran[op]
+    assert blk.ran["experts"].startswith("MXFP4" if fmt == "mxfp4" else "torch._grouped_mm")
+
+
+def test_emulated_collectives_follow_the_identical_shard_convention():
+    comm = EmulatedComm(4)
+    x = torch.arange(6.0).reshape(2, 3)
+    assert torch.equal(comm.all_gather(x), torch.cat([x] * 4, dim=-1))
+    assert torch.equal(comm.all_reduce(x), 4 * x)
+
+
+def test_refusals_are_one_line_config_errors():
+    with pytest.raises(ConfigError, match="does not divide"):
+        random_weights(SMALL, 3)
+    with pytest.raises(ConfigError, match="stock path runs bf16"):
+        MoEBlock.build(random_weights(SMALL, 1, fmt="mxfp4"), "stock", batch=1)
+    with pytest.raises(ConfigError, match="expected stock or tuned"):
+        MoEBlock.build(random_weights(SMALL, 1), "fast", batch=1)
+    with pytest.raises(ConfigError, match="needs a runtime selector"):
+        MoEBlock.build(random_weights(SMALL, 1), "tuned", batch=1)
+    with pytest.raises(ConfigError, match="expected bf16 or mxfp4"):
+        random_weights(SMALL, 1, fmt="fp8")
+
+
+def test_block_shape_reads_k3s_config():
+    from k3tune.shipped import configs_dir
+
+    sh = BlockShape.from_config(configs_dir() / "kimi_k3_config.json")
+    assert (sh.hidden, sh.experts, sh.top_k, sh.latent, sh.inter, sh.shared_inter) == (7168, 896, 16, 3584, 3072, 6144)
+    assert (sh.situ_beta, sh.situ_linear_beta) == (4.0, 25.0)
+    for tp in (8, 16):
+        sh.check_tp(tp)
