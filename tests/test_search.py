@@ -149,6 +149,37 @@ def test_cpu_sweep_records_failures_and_still_picks_a_correct_winner(monkeypatch
     assert w.params.get("block_k") not in (128, 512)
 
 
+def test_a_lost_gpu_costs_its_trial_in_flight_not_the_sweep(monkeypatch, db_path):
+    """Slot 1's 'GPU' dies on its first trial and never starts again: it is retired, the other two finish
+    the sweep, and the only trial lost is the one that was running there."""
+    monkeypatch.setenv("K3TUNE_TEST_FAULTS", "slot=1:dead")
+    sp = spec.from_dict({"matrix": {"tp": [16], "batch": [1, 2, 4], "ops": ["kda.o_proj"]},
+                         "buckets": {"tokens": [1, 2, 4], "batch": [1, 2, 4], "query_len": [1]},
+                         "search": {"budget": 5, "samples": 5, "remeasure_top": 2}})
+    db = store_db.open_db(db_path)
+    stats = run_sweep(_opts(db, sp, backend="cpu", workers=3, trial_timeout_s=30))
+    assert stats.problems_done == stats.problems_total == 3 and not stats.no_winner
+    assert len(stats.workers_retired) == 1 and stats.workers_retired[0].startswith("worker 1: cannot start")
+    with db.session() as s:
+        lost = s.scalars(select(Trial).where(Trial.status == "runtime_failed")).all()
+    assert len(lost) == 1 and "signal 9" in lost[0].error
+
+
+def test_every_worker_lost_stops_the_sweep_with_a_clear_error(monkeypatch):
+    import pytest
+
+    from k3tune.errors import WorkerError
+
+    monkeypatch.setenv("K3TUNE_TEST_FAULTS", "slot=0:dead")
+    with pytest.raises(WorkerError, match="measurement worker 0 cannot start: RuntimeError: injected fault"):
+        with WorkerPool(1, ("cpu",), trial_timeout_s=8, pin_gpus=False) as pool:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                for w in pool.idle():
+                    pool.submit(w, _cpu_task(1, 256))
+                pool.poll(0.2)
+
+
 def test_rerun_does_no_new_work_and_stale_params_are_refused(db_path):
     sp = spec.load("smoke")
     db = store_db.open_db(db_path)

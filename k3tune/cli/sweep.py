@@ -91,6 +91,7 @@ def sweep(
                "problems": stats.problems_total, "already_done": stats.problems_done_before,
                "tuned_now": stats.problems_done, "trials": stats.trials, "failed_trials": stats.failed,
                "reused_trials": stats.reused, "workers_replaced": stats.workers_replaced,
+               "workers_retired": stats.workers_retired,
                "no_winner": stats.no_winner, "refused_stored_trials": stats.refused, "skipped_ops": stats.skipped_ops, "seconds": round(stats.seconds, 1)}
     if json:
         print_json(summary)
@@ -102,5 +103,7 @@ def sweep(
         console.print(f"[yellow]refused stored trial outside the declared space:[/] {r}")
     for op, why in stats.skipped_ops.items():
         console.print(f"[yellow]skipped[/] {op}: {why}")
+    for why in stats.workers_retired:
+        console.print(f"[yellow]retired {why}[/]: its GPU was given up, the sweep went on without it")
     if stats.no_winner:
         console.print(f"[red]{len(stats.no_winner)} problems had no correct candidate[/] (heuristic defaults serve them)")

@@ -4,7 +4,8 @@ processes, so the sweep's failure handling is exercised without a GPU.
 Faults are injected only here, and only when K3TUNE_TEST_FAULTS names configs, e.g.
 ``block_k=128:crash,block_k=256:hang,block_k=512:wrong,block_k=64:raise``:
 crash kills the worker process (SIGSEGV), hang never returns, wrong returns a wrong result, raise fails at
-run time the way a poisoned CUDA context does.
+run time the way a poisoned CUDA context does. ``slot=N:dead`` plays a GPU lost mid-sweep: the worker of
+pool slot N is killed on its first trial and every restart of it fails to start.
 """
 
 from __future__ import annotations
@@ -29,8 +30,21 @@ def _faults() -> dict[int, str]:
     out = {}
     for item in filter(None, (s.strip() for s in spec.split(","))):
         cond, _, fault = item.partition(":")
-        out[int(cond.split("=")[1])] = fault
+        if cond.startswith("block_k="):
+            out[int(cond.split("=")[1])] = fault
     return out
+
+
+def dead_slot() -> bool:
+    """True in the worker of a pool slot that K3TUNE_TEST_FAULTS marks ``slot=N:dead``."""
+    me = os.environ.get("K3TUNE_WORKER_SLOT")
+    return me is not None and f"slot={me}:dead" in os.environ.get("K3TUNE_TEST_FAULTS", "").replace(" ", "")
+
+
+def check_device() -> None:
+    """Start-up check of the CPU backend's 'device': fails in restarts of a dead slot's worker."""
+    if dead_slot() and os.environ.get("K3TUNE_WORKER_RESTARTS", "0") != "0":
+        raise RuntimeError("injected fault: device lost")
 
 
 class CpuGemm(KernelFamily):
@@ -60,6 +74,8 @@ class CpuGemm(KernelFamily):
         fault = _faults().get(cfg.block_k)
 
         def run(inputs: dict):
+            if dead_slot():
+                os.kill(os.getpid(), signal.SIGKILL)
             if fault == "crash":
                 os.kill(os.getpid(), signal.SIGSEGV)
             if fault == "hang":

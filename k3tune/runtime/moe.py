@@ -130,7 +130,8 @@ def random_weights(shape: BlockShape, tp: int, rank: int = 0, fmt: str = "bf16",
 
 
 def virtual_full(w: RankWeights) -> dict:
-    """The unsharded bf16 weights implied by 'every rank holds this rank's shards' (fp32, for references)."""
+    """The unsharded weights implied by 'every rank holds this rank's shards', in fp32, for references.
+    Experts come one at a time (``full["expert"](e) -> (w13, w2)``): all of them in fp32 would not fit."""
     import torch
 
     tp = w.tp
@@ -139,8 +140,14 @@ def virtual_full(w: RankWeights) -> dict:
         gate, up = t.float().chunk(2, dim=-2)
         return torch.cat([gate] * tp + [up] * tp, dim=-2)
 
-    return {"w_rl": torch.cat([w.w_rl.float()] * tp, dim=0), "bias": w.bias.float(),
-            "w13": rows(w.expert_w13_bf16()), "w2": torch.cat([w.expert_w2_bf16().float()] * tp, dim=-1),
+    def expert(e: int):
+        if w.fmt == "bf16":
+            w13, w2 = w.w13[e], w.w2[e]
+        else:
+            w13, w2 = mxfp4.dequantize(w.w13[0][e], w.w13[1][e]), mxfp4.dequantize(w.w2[0][e], w.w2[1][e])
+        return rows(w13), torch.cat([w2.float()] * tp, dim=-1)
+
+    return {"w_rl": torch.cat([w.w_rl.float()] * tp, dim=0), "bias": w.bias.float(), "expert": expert,
             "norm": w.norm.float(), "w_up": w.w_up.float(),
             "shared_w13": rows(w.shared_w13), "shared_w2": torch.cat([w.shared_w2.float()] * tp, dim=-1)}
 
@@ -162,11 +169,11 @@ def reference(x, full: dict, shape: BlockShape, top=None):
     weights = s.gather(1, top)
     weights = weights / weights.sum(-1, keepdim=True) * shape.scaling
     routed = torch.zeros_like(latent)
-    for b in range(x.shape[0]):
-        for j in range(shape.top_k):
-            e = int(top[b, j])
-            gate, up = (latent[b] @ full["w13"][e].t()).chunk(2)
-            routed[b] += weights[b, j] * (situ(gate, up, shape.situ_beta, shape.situ_linear_beta) @ full["w2"][e].t())
+    for e in sorted(set(top.reshape(-1).tolist())):
+        w13, w2 = full["expert"](e)
+        for b, j in (top == e).nonzero().tolist():
+            gate, up = (latent[b] @ w13.t()).chunk(2)
+            routed[b] += weights[b, j] * (situ(gate, up, shape.situ_beta, shape.situ_linear_beta) @ w2.t())
     normed = routed * torch.rsqrt(routed.pow(2).mean(-1, keepdim=True) + shape.rms_eps) * full["norm"]
     gate, up = (x @ full["shared_w13"].t()).chunk(2, dim=-1)
     shared = situ(gate, up, shape.situ_beta, shape.situ_linear_beta) @ full["shared_w2"].t()
@@ -237,6 +244,7 @@ class MoEBlock:
     _cache: dict = field(default_factory=dict)
     _side: object = None
     last_top: object = None  # the experts the last step chose [tokens, top_k]
+    force_top: object = None  # measurement only: impose the experts (a recorded or synthetic routing)
 
     @classmethod
     def build(cls, weights: RankWeights, path: str, batch: int, draft: int = 0, selector=None,
@@ -291,7 +299,7 @@ class MoEBlock:
         else:
             y = self.comm.all_gather(self._gemms["moe.router_latent"](x))
         scores, latent = y[:, :shape.experts], y[:, shape.experts:]
-        top, weights = self._route(scores, w.bias, shape)
+        top, weights = self._route(scores, w.bias, shape, self.force_top)
         self.last_top = top
         routed = self.comm.all_reduce(self._experts(latent, top, weights))
         normed = _rmsnorm(routed, w.norm, shape.rms_eps)
@@ -313,11 +321,11 @@ class MoEBlock:
         return f(a, w.shared_w2) if self.path == "stock" else self._gemms["moe.shared_w2"](a)
 
     @staticmethod
-    def _route(scores, bias, shape: BlockShape):
+    def _route(scores, bias, shape: BlockShape, forced=None):
         import torch
 
         s = torch.sigmoid(scores.float())
-        top = torch.topk(s + bias, shape.top_k, dim=-1).indices
+        top = torch.topk(s + bias, shape.top_k, dim=-1).indices if forced is None else forced
         weights = s.gather(1, top)
         return top, weights / weights.sum(-1, keepdim=True) * shape.scaling
 

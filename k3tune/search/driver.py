@@ -56,6 +56,7 @@ class SweepStats:
     failed: int = 0
     reused: int = 0
     workers_replaced: int = 0
+    workers_retired: list[str] = field(default_factory=list)  # lost GPUs: the sweep went on without them
     no_winner: list[str] = field(default_factory=list)
     refused: list[str] = field(default_factory=list)  # stored trials outside the declared space
     skipped_ops: dict[str, str] = field(default_factory=dict)
@@ -202,6 +203,7 @@ def run_sweep(opt: SweepOptions) -> SweepStats:
                             break
                 results = pool.poll(timeout=0.5)
                 stats.workers_replaced = pool.replaced
+                stats.workers_retired = list(pool.retired)
                 batch: list[records.TrialRecord] = []
                 for task, outcome in results:
                     pid, cand = task_of.pop(task.task_id)

@@ -14,6 +14,11 @@ from k3tune.search.outcome import Outcome, Task, relative_error, summarize
 class CpuBackend:
     kind = "cpu"
 
+    def __init__(self) -> None:
+        from k3tune.kernels.cpu_double import check_device
+
+        check_device()
+
     def measure(self, task: Task) -> Outcome:
         import torch
 

@@ -2,6 +2,11 @@
 
 A candidate that crashes its worker, hangs past the trial timeout, or poisons the CUDA context costs one
 trial: the pool records the failure, starts a fresh worker on the same GPU, and the sweep goes on.
+
+A GPU that is lost (its worker fails to start ``RETIRE_AFTER`` times in a row: a start is where CUDA is
+initialised, so kernels cannot cause it) is retired with a warning: the sweep goes on with the others, and
+stops with WorkerError only when every worker is retired. Workers see K3TUNE_WORKER_SLOT and
+K3TUNE_WORKER_RESTARTS in their environment.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from k3tune.errors import WorkerError
 from k3tune.search.outcome import Outcome, Task
 
 STARTUP_TIMEOUT_S = 300.0
+RETIRE_AFTER = 2  # consecutive failed starts of one slot's worker: its GPU is taken as lost
 
 
 def make_backend(spec: tuple):
@@ -67,6 +73,8 @@ class _Slot:
     deadline: float = 0.0
     ready: bool = False
     restarts: int = 0
+    start_failures: int = 0  # consecutive
+    retired: str | None = None  # why this slot's GPU was given up
     started: float = field(default_factory=time.monotonic)
 
 
@@ -78,6 +86,7 @@ class WorkerPool:
         self.ctx = mp.get_context("spawn")
         self.slots = [_Slot(i) for i in range(n)]
         self.replaced = 0
+        self.retired: list[str] = []
 
     def __enter__(self) -> WorkerPool:
         for s in self.slots:
@@ -89,20 +98,22 @@ class WorkerPool:
 
     def _start(self, slot: _Slot) -> None:
         parent, child = self.ctx.Pipe()
-        saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+        child_env = {"K3TUNE_WORKER_SLOT": str(slot.index), "K3TUNE_WORKER_RESTARTS": str(slot.restarts)}
         if self.pin:
-            visible = saved.split(",") if saved else None
-            os.environ["CUDA_VISIBLE_DEVICES"] = visible[slot.index] if visible else str(slot.index)
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            child_env["CUDA_VISIBLE_DEVICES"] = visible.split(",")[slot.index] if visible else str(slot.index)
+        saved = {k: os.environ.get(k) for k in child_env}
+        os.environ.update(child_env)  # spawn copies the parent's environment at start()
         try:
             proc = self.ctx.Process(target=worker_main, args=(child, self.backend_spec), daemon=True,
                                     name=f"k3tune-worker-{slot.index}")
             proc.start()
         finally:
-            if self.pin:
-                if saved is None:
-                    os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
                 else:
-                    os.environ["CUDA_VISIBLE_DEVICES"] = saved
+                    os.environ[k] = v
         child.close()
         slot.proc, slot.conn, slot.task, slot.ready = proc, parent, None, False
         slot.started = time.monotonic()
@@ -120,6 +131,19 @@ class WorkerPool:
         slot.restarts += 1
         self.replaced += 1
         self._start(slot)
+
+    def _start_failed(self, slot: _Slot, why: str) -> None:
+        """A worker that could not start: try once more, then retire the slot (its GPU is lost)."""
+        slot.start_failures += 1
+        if slot.start_failures < RETIRE_AFTER:
+            self._replace(slot)
+            return
+        self._kill(slot)
+        slot.proc, slot.conn, slot.task, slot.ready, slot.retired = None, None, None, False, why
+        self.retired.append(f"worker {slot.index}: {why}")
+        if all(s.retired for s in self.slots):
+            more = f" (all {len(self.slots)} workers retired)" if len(self.slots) > 1 else ""
+            raise WorkerError(f"measurement worker {slot.index} {why}{more}")
 
     def idle(self) -> list[int]:
         return [s.index for s in self.slots if s.ready and s.task is None]
@@ -150,13 +174,14 @@ class WorkerPool:
                     why = f"worker died (signal {-code})" if code and code < 0 else f"worker exited with code {code}"
                     done.append((slot.task, Outcome("runtime_failed", error=why)))
                 elif not slot.ready:
-                    raise WorkerError(f"measurement worker {slot.index} died while starting (exit code {code})") from None
+                    self._start_failed(slot, f"died while starting (exit code {code})")
+                    continue
                 self._replace(slot)
                 continue
             if msg[0] == "ready":
-                slot.ready = True
+                slot.ready, slot.start_failures = True, 0
             elif msg[0] == "error":
-                raise WorkerError(f"measurement worker {slot.index} cannot start: {msg[1]}")
+                self._start_failed(slot, f"cannot start: {msg[1]}")
             else:
                 task, slot.task = slot.task, None
                 done.append((task, msg[1]))
@@ -167,8 +192,8 @@ class WorkerPool:
             if slot.task is not None and now > slot.deadline:
                 done.append((slot.task, Outcome("timeout", error=f"no result within {self.timeout:.0f} s")))
                 self._replace(slot)
-            elif not slot.ready and now - slot.started > STARTUP_TIMEOUT_S:
-                raise WorkerError(f"measurement worker {slot.index} did not start within {STARTUP_TIMEOUT_S:.0f} s")
+            elif not slot.ready and not slot.retired and now - slot.started > STARTUP_TIMEOUT_S:
+                self._start_failed(slot, f"did not start within {STARTUP_TIMEOUT_S:.0f} s")
         return done
 
     def close(self) -> None:

@@ -1,0 +1,113 @@
+"""The per-rank MoE block on the local GPU: the stock path against the tuned path, side by side in one run.
+
+    python bench/moe.py [--tps 8,16] [--batches 1,2,4,8,16,32,64] [--routings uniform,zipf:1.2] [--fmts bf16]
+
+Each path runs in a CUDA graph over ``--layers`` layers with distinct weights (decode reads them from HBM),
+after a warm-up; medians and IQRs of the per-layer time over ``--samples`` replays. Routing is imposed
+(``block.force_top``) from k3tune's routing model, so both paths read the same experts. The roofline floor
+is the bytes each path reads (dense weights + the distinct experts actually selected + activations) over the
+measured copy bandwidth. Collectives are emulated (identical shards, no NVLink time): the comparison is of
+the rank's own work. Prints a table and writes JSON to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+from pathlib import Path
+
+import torch
+
+from gemm import copy_bandwidth  # bench/gemm.py (this script runs from bench/)
+from k3tune.kernels import mxfp4
+from k3tune.plan import routing as routings
+from k3tune.runtime import Selector
+from k3tune.runtime.moe import BlockShape, MoEBlock, random_weights
+from k3tune.shipped import configs_dir
+
+
+def block_bytes(sh: BlockShape, tp: int, path: str, fmt: str, touched: int, tokens: int) -> int:
+    rl = (sh.experts + sh.latent) * sh.hidden * 2 // (1 if path == "stock" else tp)
+    n13, n2 = 2 * sh.inter // tp, sh.inter // tp
+    expert = (mxfp4.nbytes(n13, sh.latent) + mxfp4.nbytes(sh.latent, n2)) if fmt == "mxfp4" else \
+        (n13 * sh.latent + sh.latent * n2) * 2
+    shared = 3 * sh.shared_inter // tp * sh.hidden * 2
+    return rl + touched * expert + sh.hidden * sh.latent * 2 + shared + tokens * sh.hidden * 4
+
+
+def time_blocks(blocks, x, samples: int) -> list[float]:
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for b in blocks:
+            b(x)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for b in blocks:
+            b(x)
+    for _ in range(3):
+        graph.replay()
+    times = []
+    for _ in range(samples):
+        a, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        e.record()
+        e.synchronize()
+        times.append(a.elapsed_time(e) * 1e3 / len(blocks))
+    return times
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tps", default="8,16")
+    ap.add_argument("--batches", default="1,2,4,8,16,32,64")
+    ap.add_argument("--routings", default="uniform,zipf:1.2")
+    ap.add_argument("--fmts", default="bf16", help="tuned-path expert formats (the stock path is bf16)")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--samples", type=int, default=15)
+    ap.add_argument("--out", default="bench-moe.json")
+    args = ap.parse_args()
+    sh = BlockShape.from_config(configs_dir() / "kimi_k3_config.json")
+    sel = Selector.load()
+    bw = copy_bandwidth()
+    print(f"# {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s, table {sel.hash}")
+    rows = []
+    for tp in (int(t) for t in args.tps.split(",")):
+        layers = {fmt: [random_weights(sh, tp, fmt=fmt, device="cuda", seed=i) for i in range(args.layers)]
+                  for fmt in {"bf16", *args.fmts.split(",")}}
+        for batch in (int(b) for b in args.batches.split(",")):
+            for routing in args.routings.split(","):
+                ids = routings.sample(routing, sh.experts, sh.top_k, batch, random.Random(batch))
+                top = torch.tensor(ids, device="cuda")
+                touched = len({e for r in ids for e in r})
+                x = torch.randn(batch, sh.hidden, device="cuda").to(torch.bfloat16)
+                row = {"tp": tp, "batch": batch, "routing": routing, "touched": touched}
+                variants = [("stock", "bf16")] + [("tuned", f) for f in args.fmts.split(",")]
+                for path, fmt in variants:
+                    blocks = [MoEBlock.build(w, path, batch=batch, selector=sel) for w in layers[fmt]]
+                    for b in blocks:
+                        b.force_top = top
+                    t = time_blocks(blocks, x, args.samples)
+                    q = statistics.quantiles(t, n=4)
+                    floor = block_bytes(sh, tp, path, fmt, touched, batch) / bw * 1e6
+                    row[f"{path}_{fmt}"] = {"us": statistics.median(t), "iqr": q[2] - q[0], "floor_us": floor,
+                                            "ran": blocks[0].ran}
+                    del blocks
+                stock = row["stock_bf16"]["us"]
+                cells = " ".join(f"{k} {v['us']:8.1f} (±{v['iqr']:.1f}, roof {v['floor_us'] / v['us']:.2f})"
+                                 for k, v in row.items() if isinstance(v, dict))
+                ratio = " ".join(f"x{stock / row[f'tuned_{f}']['us']:.2f}" for f in args.fmts.split(","))
+                print(f"tp{tp:<3} batch {batch:<3} {routing:10} experts {touched:4} {cells} speedup {ratio}", flush=True)
+                rows.append(row)
+        del layers
+        torch.cuda.empty_cache()
+    Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "copy_bw": bw, "rows": rows},
+                                         indent=1))
+
+
+if __name__ == "__main__":
+    main()
