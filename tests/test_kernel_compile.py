@@ -40,3 +40,14 @@ def test_splitk_tc_compiles(arch):
         warnings.simplefilter("ignore", DeprecationWarning)
         for knobs in TC_SAMPLE:
             assert gemm_splitk_tc.compiled(*knobs, arch) is not None, knobs
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_grouped_expert_kernels_compile(arch):
+    """Both grouped-expert kernels at the executor's defaults and at the corners the GPU test uses."""
+    from k3tune.kernels.moe_experts import compiled as expert_kernel
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        for which, rows, warps, unroll in [("w13", 4, 4, 2), ("w13", 1, 2, 1), ("w2", 8, 2, 4), ("w2", 4, 1, 2)]:
+            assert expert_kernel(which, rows, warps, 4, unroll, 4.0, 25.0, arch) is not None

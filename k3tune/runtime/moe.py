@@ -248,7 +248,9 @@ class MoEBlock:
 
     @classmethod
     def build(cls, weights: RankWeights, path: str, batch: int, draft: int = 0, selector=None,
-              comm: EmulatedComm | None = None, shared_stream=None) -> MoEBlock:
+              comm: EmulatedComm | None = None, shared_stream=None, experts: str | None = None) -> MoEBlock:
+        """``experts``: 'cute' (k3tune's grouped GEMV kernels, bf16 weights, GPU), 'grouped_mm'
+        (torch._grouped_mm; MXFP4 dequantised first), or None: 'cute' on the tuned path where it can run."""
         import torch
 
         if path not in ("stock", "tuned"):
@@ -278,10 +280,25 @@ class MoEBlock:
                 blk.ran["shared"] = f"side stream {getattr(shared_stream, 'k3tune_label', '')}".strip()
             else:
                 blk.ran["shared"] = "serial, after the routed experts"
+        can_cute = path == "tuned" and w.fmt == "bf16" and w.w_rl.is_cuda
+        experts = experts or ("cute" if can_cute else "grouped_mm")
+        if experts == "cute" and not can_cute:
+            raise ConfigError("the CuTe grouped-expert kernels run bf16 experts on a GPU, on the tuned path")
+        if experts not in ("cute", "grouped_mm"):
+            raise ConfigError(f"expert implementation {experts!r}: expected cute or grouped_mm")
+        blk._cache["experts"] = experts
         blk._cache["w13_t"] = None if w.fmt == "mxfp4" else w.w13.transpose(1, 2)
         blk._cache["w2_t"] = None if w.fmt == "mxfp4" else w.w2.transpose(1, 2)
-        blk.ran["experts"] = ("torch._grouped_mm bf16" if w.fmt == "bf16"
-                              else "MXFP4 dequantised (torch reference) + torch._grouped_mm")
+        if experts == "cute":
+            from k3tune.kernels.moe_experts import ExpertKernelConfig
+
+            blk._cache["cfg13"] = ExpertKernelConfig(rows=4, warps=4, tokens=4, unroll=2)
+            blk._cache["cfg2"] = ExpertKernelConfig(rows=8, warps=2, tokens=4, unroll=4)
+            blk.ran["experts"] = (f"k3tune grouped GEMV (CuTe DSL) bf16: w13+SiTU {blk._cache['cfg13']}, "
+                                  f"w2 {blk._cache['cfg2']}")
+        else:
+            blk.ran["experts"] = ("torch._grouped_mm bf16" if w.fmt == "bf16"
+                                  else "MXFP4 dequantised (torch reference) + torch._grouped_mm")
         return blk
 
     # ---- the step --------------------------------------------------------------------------------
@@ -335,6 +352,18 @@ class MoEBlock:
         import torch
 
         w, shape = self.weights, self.weights.shape
+        if self._cache["experts"] == "cute":
+            from k3tune.kernels import moe_experts
+
+            b, k = top.shape
+            meta = moe_experts.routing_metadata(top, weights, shape.experts)
+            act = torch.empty(b * k, shape.inter // w.tp, dtype=latent.dtype, device=latent.device)
+            moe_experts.run_w13(self._cache["cfg13"], latent.contiguous(), w.w13, act, meta, shape.situ_beta,
+                                shape.situ_linear_beta)
+            per_slot = torch.empty(b * k, shape.latent, dtype=torch.float32, device=latent.device)
+            moe_experts.run_w2(self._cache["cfg2"], act, w.w2, per_slot, meta)
+            inverse = torch.argsort(meta[4])  # sorted slot of each (token, j), in token order
+            return per_slot.index_select(0, inverse).view(b, k, shape.latent).sum(1).to(latent.dtype)
         b, k = top.shape
         flat = top.reshape(-1)
         order = torch.argsort(flat, stable=True)
