@@ -83,11 +83,12 @@ def test_shared_experts_in_a_green_context_partition():
         part.close()
 
 
-@pytest.mark.parametrize("b,k,experts,inter,latent", [(3, 4, 16, 96, 264), (9, 4, 16, 64, 128), (1, 16, 896, 384, 3584),
+@pytest.mark.parametrize("b,k,experts,inter,latent", [(3, 4, 16, 96, 264), (9, 4, 40, 64, 128), (1, 16, 896, 384, 3584),
                                                       (64, 16, 896, 192, 3584)])
-def test_grouped_expert_kernels_match_torch(b, k, experts, inter, latent):
-    """Both grouped kernels against torch in fp32, outputs poisoned, over odd widths, padding CTAs, and an
-    expert chosen by more tokens than a token chunk holds (b=9: every token picks expert 0)."""
+def test_routed_expert_kernels_match_torch(b, k, experts, inter, latent):
+    """Route, w13+SiTU, w2 and the slot sum + RMSNorm kernels against torch in fp32, outputs poisoned, over
+    odd widths and expert counts (40: a partial last warp chunk), several knob sets; b=9: every token picks
+    expert 0, so CTAs of different tokens read the same expert."""
     import itertools
 
     import torch
@@ -97,29 +98,48 @@ def test_grouped_expert_kernels_match_torch(b, k, experts, inter, latent):
     from k3tune.runtime.moe import situ
 
     g = torch.Generator(device="cuda").manual_seed(b * 131 + experts)
-    top = torch.stack([torch.randperm(experts, device="cuda", generator=g)[:k] for _ in range(b)])
+    y = torch.randn(b, experts + latent, device="cuda", generator=g).to(torch.bfloat16)
+    bias = torch.randn(experts, device="cuda", generator=g) * 0.1
     if b == 9:
-        top[:, 0] = 0
-        top[:, 1:] = torch.stack([torch.randperm(experts - 1, device="cuda", generator=g)[:k - 1] + 1 for _ in range(b)])
-    weights = torch.rand(b, k, device="cuda", generator=g)
-    x = torch.randn(b, latent, device="cuda", generator=g).to(torch.bfloat16)
+        bias[0] = 10.0
+    top = torch.full((b, k), -1, dtype=torch.int32, device="cuda")
+    wts = torch.full((b, k), float("nan"), device="cuda")
+    moe_experts.route(y, bias, top, wts, k, 1.0)
+    s = torch.sigmoid(y[:, :experts].float())
+    kth = torch.topk(s + bias, k, dim=-1).values[:, -1:]
+    chosen = (s + bias).gather(1, top.long())
+    assert bool((chosen >= kth - 1e-3).all()) and all(len(set(r.tolist())) == k for r in top)
+    ref_w = s.gather(1, top.long())
+    assert torch.allclose(wts, ref_w / ref_w.sum(-1, keepdim=True), rtol=1e-3, atol=1e-5)
+    forced = torch.stack([torch.randperm(experts, device="cuda", generator=g)[:k] for _ in range(b)]).int()
+    top_f, wts_f = forced.clone(), torch.full((b, k), float("nan"), device="cuda")
+    moe_experts.route(y, bias, top_f, wts_f, k, 1.0, forced=True)
+    ref_f = s.gather(1, forced.long())
+    assert torch.equal(top_f, forced) and torch.allclose(wts_f, ref_f / ref_f.sum(-1, keepdim=True), rtol=1e-3)
+
+    x = y[:, experts:].contiguous()
     w13 = (torch.randn(experts, 2 * inter, latent, device="cuda", generator=g) / latent ** 0.5).to(torch.bfloat16)
     w2 = (torch.randn(experts, latent, inter, device="cuda", generator=g) / inter ** 0.5).to(torch.bfloat16)
-    meta = moe_experts.routing_metadata(top, weights, experts)
-    ids, starts, tok, wt, order = meta
-    sorted_e = top.reshape(-1)[order]
-    h = torch.einsum("tk,tnk->tn", x.float()[tok.long()], w13.float()[sorted_e])
+    e = top.reshape(-1).long()
+    tok = torch.arange(b * k, device="cuda") // k
+    h = torch.einsum("tk,tnk->tn", x.float()[tok], w13.float()[e])
     act_ref = situ(h[:, :inter], h[:, inter:], 4.0, 25.0)
-    for (r13, w13w, u13), (r2, w2w, u2) in zip(itertools.product((1, 4), (2, 4), (1, 2)),
+    norm_w = (1 + 0.1 * torch.randn(latent, device="cuda", generator=g)).to(torch.bfloat16)
+    for (r13, w13w, u13), (r2, w2w, u2) in zip(itertools.product((1, 4), (2, 4), (1, 4)),
                                                itertools.product((4, 8), (1, 2), (2, 4))):
         act = torch.full((b * k, inter), float("nan"), dtype=torch.bfloat16, device="cuda")
-        moe_experts.run_w13(ExpertKernelConfig(r13, w13w, 4, u13), x, w13, act, meta, 4.0, 25.0)
+        moe_experts.run_w13(ExpertKernelConfig(r13, w13w, u13), x, w13, act, top, wts, 4.0, 25.0)
         out = torch.full((b * k, latent), float("nan"), device="cuda")
-        moe_experts.run_w2(ExpertKernelConfig(r2, w2w, 4, u2), act, w2, out, meta)
+        moe_experts.run_w2(ExpertKernelConfig(r2, w2w, u2), act, w2, out, top, wts)
+        normed = torch.full((b, latent), float("nan"), dtype=torch.bfloat16, device="cuda")
+        moe_experts.sum_norm(out, norm_w, normed, k, 1e-5)
         torch.cuda.synchronize()
         assert ((act.float() - act_ref).norm() / act_ref.norm()).item() < 1e-2, (r13, w13w, u13)
-        out_ref = wt[:, None] * torch.einsum("tn,tkn->tk", act.float(), w2.float()[sorted_e])
+        out_ref = wts.reshape(-1, 1) * torch.einsum("tn,tkn->tk", act.float(), w2.float()[e])
         assert ((out - out_ref).norm() / out_ref.norm()).item() < 1e-3, (r2, w2w, u2)
+        summed = out.view(b, k, latent).sum(1)
+        norm_ref = summed * torch.rsqrt(summed.pow(2).mean(-1, keepdim=True) + 1e-5) * norm_w.float()
+        assert ((normed.float() - norm_ref).norm() / norm_ref.norm()).item() < 1e-2
 
 
 def test_tuned_bf16_block_runs_the_cute_expert_kernels():
@@ -127,5 +147,6 @@ def test_tuned_bf16_block_runs_the_cute_expert_kernels():
 
     w = random_weights(K3, 16, device="cuda", seed=11)
     blk = MoEBlock.build(w, "tuned", batch=8, selector=Selector.load())
-    assert blk.ran["experts"].startswith("k3tune grouped GEMV (CuTe DSL)")
+    assert blk.ran["experts"].startswith("k3tune per-slot expert GEMVs (CuTe DSL)")
+    assert blk.ran["routing"].startswith("k3tune route kernel")
     _check(blk, w, 8)

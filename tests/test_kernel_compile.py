@@ -43,11 +43,13 @@ def test_splitk_tc_compiles(arch):
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
-def test_grouped_expert_kernels_compile(arch):
-    """Both grouped-expert kernels at the executor's defaults and at the corners the GPU test uses."""
-    from k3tune.kernels.moe_experts import compiled as expert_kernel
+def test_moe_expert_kernels_compile(arch):
+    """The routed-expert kernels at the executor's defaults and at the corners the GPU test uses."""
+    from k3tune.kernels.moe_experts import compiled as moe_kernel
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
-        for which, rows, warps, unroll in [("w13", 4, 4, 2), ("w13", 1, 2, 1), ("w2", 8, 2, 4), ("w2", 4, 1, 2)]:
-            assert expert_kernel(which, rows, warps, 4, unroll, 4.0, 25.0, arch) is not None
+        for kind, knobs in [("w13", (4, 4, 4, 4.0, 25.0)), ("w13", (1, 2, 1, 4.0, 25.0)), ("w2", (8, 2, 4)),
+                            ("w2", (4, 1, 2)), ("route", (896, 16, 1.0, False)), ("route", (40, 4, 1.0, True)),
+                            ("sum_norm", (16, 1e-5))]:
+            assert moe_kernel(kind, knobs, arch) is not None, (kind, knobs)

@@ -292,10 +292,17 @@ class MoEBlock:
         if experts == "cute":
             from k3tune.kernels.moe_experts import ExpertKernelConfig
 
-            blk._cache["cfg13"] = ExpertKernelConfig(rows=4, warps=4, tokens=4, unroll=2)
-            blk._cache["cfg2"] = ExpertKernelConfig(rows=8, warps=2, tokens=4, unroll=4)
-            blk.ran["experts"] = (f"k3tune grouped GEMV (CuTe DSL) bf16: w13+SiTU {blk._cache['cfg13']}, "
-                                  f"w2 {blk._cache['cfg2']}")
+            k, dev = weights.shape.top_k, w.w_rl.device
+            blk._cache["cfg13"] = ExpertKernelConfig(rows=4, warps=4, unroll=4)
+            blk._cache["cfg2"] = ExpertKernelConfig(rows=8, warps=2, unroll=4)
+            blk._cache["top"] = torch.empty(tokens, k, dtype=torch.int32, device=dev)
+            blk._cache["wts"] = torch.empty(tokens, k, dtype=torch.float32, device=dev)
+            blk._cache["act"] = torch.empty(tokens * k, weights.shape.inter // w.tp, dtype=torch.bfloat16, device=dev)
+            blk._cache["per_slot"] = torch.empty(tokens * k, weights.shape.latent, dtype=torch.float32, device=dev)
+            blk._cache["normed"] = torch.empty(tokens, weights.shape.latent, dtype=torch.bfloat16, device=dev)
+            blk.ran["routing"] = "k3tune route kernel (CuTe DSL): sigmoid + bias top-k, renormalised"
+            blk.ran["experts"] = (f"k3tune per-slot expert GEMVs (CuTe DSL) bf16: w13+SiTU {blk._cache['cfg13']}, "
+                                  f"w2 {blk._cache['cfg2']}; slot sum + RMSNorm kernel")
         else:
             blk.ran["experts"] = ("torch._grouped_mm bf16" if w.fmt == "bf16"
                                   else "MXFP4 dequantised (torch reference) + torch._grouped_mm")
@@ -316,16 +323,38 @@ class MoEBlock:
         else:
             y = self.comm.all_gather(self._gemms["moe.router_latent"](x))
         scores, latent = y[:, :shape.experts], y[:, shape.experts:]
-        top, weights = self._route(scores, w.bias, shape, self.force_top)
-        self.last_top = top
-        routed = self.comm.all_reduce(self._experts(latent, top, weights))
-        normed = _rmsnorm(routed, w.norm, shape.rms_eps)
+        if self._cache["experts"] == "cute":
+            normed = self._cute_routed(y.contiguous(), latent.contiguous())
+        else:
+            top, weights = self._route(scores, w.bias, shape, self.force_top)
+            self.last_top = top
+            routed = self.comm.all_reduce(self._experts(latent, top, weights))
+            normed = _rmsnorm(routed, w.norm, shape.rms_eps)
         up = torch.nn.functional.linear(normed, w.w_up) if self.path == "stock" else self._gemms["moe.latent_up"](normed)
         if side is None:
             shared = self._shared(x)
         else:
             torch.cuda.current_stream().wait_stream(side)
         return up + self.comm.all_reduce(shared)
+
+    def _cute_routed(self, y, latent):
+        """Routing, both expert projections, the slot sum and the RMSNorm: five launches. The emulated
+        all-reduce of the routed latent (x tp) is folded into the norm's eps (RMSNorm(c x) = x / sqrt(mean
+        x^2 + eps / c^2)); its stand-in time, if any, still runs."""
+        from k3tune.kernels import moe_experts
+
+        w, shape, c = self.weights, self.weights.shape, self._cache
+        forced = self.force_top is not None
+        if forced:
+            c["top"].copy_(self.force_top)
+        moe_experts.route(y, w.bias, c["top"], c["wts"], shape.top_k, shape.scaling, forced=forced)
+        self.last_top = c["top"]
+        moe_experts.run_w13(c["cfg13"], latent, w.w13, c["act"], c["top"], c["wts"], shape.situ_beta,
+                            shape.situ_linear_beta)
+        moe_experts.run_w2(c["cfg2"], c["act"], w.w2, c["per_slot"], c["top"], c["wts"])
+        self.comm._occupy(c["per_slot"])
+        moe_experts.sum_norm(c["per_slot"], w.norm, c["normed"], shape.top_k, shape.rms_eps / self.comm.tp ** 2)
+        return c["normed"]
 
     def _shared(self, x):
         import torch
@@ -352,18 +381,6 @@ class MoEBlock:
         import torch
 
         w, shape = self.weights, self.weights.shape
-        if self._cache["experts"] == "cute":
-            from k3tune.kernels import moe_experts
-
-            b, k = top.shape
-            meta = moe_experts.routing_metadata(top, weights, shape.experts)
-            act = torch.empty(b * k, shape.inter // w.tp, dtype=latent.dtype, device=latent.device)
-            moe_experts.run_w13(self._cache["cfg13"], latent.contiguous(), w.w13, act, meta, shape.situ_beta,
-                                shape.situ_linear_beta)
-            per_slot = torch.empty(b * k, shape.latent, dtype=torch.float32, device=latent.device)
-            moe_experts.run_w2(self._cache["cfg2"], act, w.w2, per_slot, meta)
-            inverse = torch.argsort(meta[4])  # sorted slot of each (token, j), in token order
-            return per_slot.index_select(0, inverse).view(b, k, shape.latent).sum(1).to(latent.dtype)
         b, k = top.shape
         flat = top.reshape(-1)
         order = torch.argsort(flat, stable=True)
