@@ -140,6 +140,11 @@ def test_routed_expert_kernels_match_torch(b, k, experts, inter, latent):
         summed = out.view(b, k, latent).sum(1)
         norm_ref = summed * torch.rsqrt(summed.pow(2).mean(-1, keepdim=True) + 1e-5) * norm_w.float()
         assert ((normed.float() - norm_ref).norm() / norm_ref.norm()).item() < 1e-2
+    hs = torch.randn(b, 2 * inter, device="cuda", generator=g).to(torch.bfloat16) * 3
+    sa = torch.full((b, inter), float("nan"), dtype=torch.bfloat16, device="cuda")
+    moe_experts.situ_rows(hs, sa, 4.0, 25.0)
+    ref_sa = situ(hs[:, :inter].float(), hs[:, inter:].float(), 4.0, 25.0)
+    assert ((sa.float() - ref_sa).norm() / ref_sa.norm()).item() < 1e-2
 
 
 def test_tuned_bf16_block_runs_the_cute_expert_kernels():

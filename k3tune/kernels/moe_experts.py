@@ -56,6 +56,9 @@ def _fake_args(kind: str, arch: str):
     if kind == "route":
         y = fake(BFloat16, (b, cute.sym_int()), stride_order=(1, 0), assumed_align=2)
         return y, fake(Float32, (cute.sym_int(),), assumed_align=4), top, wt
+    if kind == "situ":
+        return (fake(BFloat16, (b, cute.sym_int()), stride_order=(1, 0), assumed_align=2),
+                fake(BFloat16, (b, cute.sym_int()), stride_order=(1, 0), assumed_align=2))
     if kind == "sum_norm":
         return (fake(Float32, (t, cute.sym_int(divisibility=4)), stride_order=(1, 0), assumed_align=16),
                 fake(BFloat16, (cute.sym_int(),), assumed_align=2),
@@ -72,7 +75,7 @@ def _fake_args(kind: str, arch: str):
 def compiled(kind: str, knobs: tuple, arch: str):
     """One compile per kernel kind, knob tuple and arch; batch, widths and expert counts are dynamic.
     knobs: w13 (rows, warps, unroll, beta, linear_beta); w2 (rows, warps, unroll); route (experts, top_k,
-    scaling); sum_norm (top_k, eps). Never call inside a capture."""
+    scaling, forced); sum_norm (top_k, eps); situ (beta, linear_beta). Never call inside a capture."""
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream
 
@@ -110,6 +113,12 @@ def sum_norm(per_slot, norm_weight, out, top_k: int, eps: float, stream=None):
     eps / c^2): a caller whose sum is all-reduced by c identical ranks passes eps / c^2."""
     fn = compiled("sum_norm", (top_k, float(eps)), current_arch())
     fn(_t(per_slot, 16), _t(norm_weight, 2), _t(out, 2), _stream(stream))
+
+
+def situ_rows(h, out, beta: float, linear_beta: float, stream=None):
+    """out[b, i] = situ(h[b, i], h[b, n + i]) for h [B, 2n] (gate columns, then up columns), bf16."""
+    fn = compiled("situ", (float(beta), float(linear_beta)), current_arch())
+    fn(_t(h, 2), _t(out, 2), _stream(stream))
 
 
 def _t(x, align: int):
@@ -306,5 +315,28 @@ def _kernel_classes():
                     s = s + mP[b * self.K + j, c]
                 mOut[b, c] = (s * inv * mG[c].to(Float32)).to(BFloat16)
 
+    class Situ:
+        THREADS = 256
+
+        def __init__(self, beta, linear_beta):
+            self.beta, self.lin = beta, linear_beta
+
+        @cute.jit
+        def __call__(self, mH: cute.Tensor, mOut: cute.Tensor, stream: cuda.CUstream):
+            n = mOut.shape[1]
+            self.kernel(mH, mOut).launch(grid=(mOut.shape[0], (n + self.THREADS - 1) // self.THREADS, 1),
+                                         block=(self.THREADS, 1, 1), stream=stream)
+
+        @cute.kernel
+        def kernel(self, mH: cute.Tensor, mOut: cute.Tensor):
+            tidx, _, _ = cute.arch.thread_idx()
+            b, j, _ = cute.arch.block_idx()
+            n = mOut.shape[1]
+            i = j * self.THREADS + tidx
+            if i < n:
+                g = mH[b, i].to(Float32)
+                u = cutlass.max(cutlass.min(mH[b, n + i].to(Float32), Float32(self.lin)), Float32(-self.lin))
+                mOut[b, i] = (g / (Float32(1.0) + cute.math.exp(-Float32(self.beta) * g)) * u).to(BFloat16)
+
     return {"w13": lambda *k: ExpertGemv("w13", *k), "w2": lambda *k: ExpertGemv("w2", *k), "route": Route,
-            "sum_norm": SumNorm}
+            "sum_norm": SumNorm, "situ": Situ}

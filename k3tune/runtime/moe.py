@@ -228,8 +228,7 @@ class _Gemm:
     run: object
 
     def __call__(self, x):
-        self.inputs["x"].copy_(x)
-        return self.run(self.inputs)
+        return self.run({**self.inputs, "x": x.contiguous()})  # no copy: the kernels take any aligned rows
 
 
 @dataclass
@@ -300,9 +299,11 @@ class MoEBlock:
             blk._cache["act"] = torch.empty(tokens * k, weights.shape.inter // w.tp, dtype=torch.bfloat16, device=dev)
             blk._cache["per_slot"] = torch.empty(tokens * k, weights.shape.latent, dtype=torch.float32, device=dev)
             blk._cache["normed"] = torch.empty(tokens, weights.shape.latent, dtype=torch.bfloat16, device=dev)
+            blk._cache["shared_act"] = torch.empty(tokens, weights.shape.shared_inter // w.tp, dtype=torch.bfloat16,
+                                                   device=dev)
             blk.ran["routing"] = "k3tune route kernel (CuTe DSL): sigmoid + bias top-k, renormalised"
             blk.ran["experts"] = (f"k3tune per-slot expert GEMVs (CuTe DSL) bf16: w13+SiTU {blk._cache['cfg13']}, "
-                                  f"w2 {blk._cache['cfg2']}; slot sum + RMSNorm kernel")
+                                  f"w2 {blk._cache['cfg2']}; slot sum + RMSNorm kernel; shared SiTU kernel")
         else:
             blk.ran["experts"] = ("torch._grouped_mm bf16" if w.fmt == "bf16"
                                   else "MXFP4 dequantised (torch reference) + torch._grouped_mm")
@@ -362,8 +363,14 @@ class MoEBlock:
         w, shape = self.weights, self.weights.shape
         f = torch.nn.functional.linear
         h = f(x, w.shared_w13) if self.path == "stock" else self._gemms["moe.shared_w13"](x)
-        gate, up = h.chunk(2, dim=-1)
-        a = situ(gate.float(), up.float(), shape.situ_beta, shape.situ_linear_beta).to(x.dtype)
+        if self._cache["experts"] == "cute":
+            from k3tune.kernels import moe_experts
+
+            a = self._cache["shared_act"]
+            moe_experts.situ_rows(h, a, shape.situ_beta, shape.situ_linear_beta)
+        else:
+            gate, up = h.chunk(2, dim=-1)
+            a = situ(gate.float(), up.float(), shape.situ_beta, shape.situ_linear_beta).to(x.dtype)
         return f(a, w.shared_w2) if self.path == "stock" else self._gemms["moe.shared_w2"](a)
 
     @staticmethod
