@@ -1,6 +1,11 @@
 """The per-rank MoE block on the local GPU: the stock path against the tuned path, side by side in one run.
 
     python bench/moe.py [--tps 8,16] [--batches 1,2,4,8,16,32,64] [--routings uniform,zipf:1.2] [--fmts bf16]
+                        [--shared-sms 0,16,64] [--prefetch-mib 0,16]
+
+Tuned variants: every (shared-expert SMs, prefetch MiB) pair; shared SMs 0 runs the shared experts on a
+plain side stream with the whole GPU (no partition), a multiple of 8 gives them a green-context partition
+of that many SMs (64 of the H200's 132 is the even split); prefetch 0 is off.
 
 Each path runs in a CUDA graph over ``--layers`` layers with distinct weights (decode reads them from HBM),
 after a warm-up; medians and IQRs of the per-layer time over ``--samples`` replays. Routing is imposed
@@ -67,12 +72,19 @@ def main() -> None:
     ap.add_argument("--batches", default="1,2,4,8,16,32,64")
     ap.add_argument("--routings", default="uniform,zipf:1.2")
     ap.add_argument("--fmts", default="bf16", help="tuned-path expert formats (the stock path is bf16)")
+    ap.add_argument("--shared-sms", default="0,16,64")
+    ap.add_argument("--prefetch-mib", default="0,16")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--samples", type=int, default=15)
     ap.add_argument("--out", default="bench-moe.json")
     args = ap.parse_args()
+    from k3tune.runtime.partition import green_partition
+
     sh = BlockShape.from_config(configs_dir() / "kimi_k3_config.json")
     sel = Selector.load()
+    sms_list = [int(v) for v in args.shared_sms.split(",")]
+    pf_list = [int(v) for v in args.prefetch_mib.split(",")]
+    streams = {n: (green_partition(n).stream if n else torch.cuda.Stream()) for n in sms_list}
     bw = copy_bandwidth()
     print(f"# {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s, table {sel.hash}")
     rows = []
@@ -86,22 +98,29 @@ def main() -> None:
                 touched = len({e for r in ids for e in r})
                 x = torch.randn(batch, sh.hidden, device="cuda").to(torch.bfloat16)
                 row = {"tp": tp, "batch": batch, "routing": routing, "touched": touched}
-                variants = [("stock", "bf16")] + [("tuned", f) for f in args.fmts.split(",")]
-                for path, fmt in variants:
-                    blocks = [MoEBlock.build(w, path, batch=batch, selector=sel) for w in layers[fmt]]
+                variants = [("stock", "bf16", None, 0)] + [("tuned", f, n, p) for f in args.fmts.split(",")
+                                                          for n in sms_list for p in pf_list]
+                for path, fmt, sms, pf in variants:
+                    name = f"{path}_{fmt}" + ("" if sms is None else f"_sms{sms}_pf{pf}")
+                    blocks = [MoEBlock.build(w, path, batch=batch, selector=sel, prefetch_mib=pf,
+                                             shared_stream=None if sms is None else streams[sms])
+                              for w in layers[fmt]]
                     for b in blocks:
                         b.force_top = top
                     t = time_blocks(blocks, x, args.samples)
                     q = statistics.quantiles(t, n=4)
                     floor = block_bytes(sh, tp, path, fmt, touched, batch) / bw * 1e6
-                    row[f"{path}_{fmt}"] = {"us": statistics.median(t), "iqr": q[2] - q[0], "floor_us": floor,
-                                            "ran": blocks[0].ran}
+                    row[name] = {"us": statistics.median(t), "iqr": q[2] - q[0], "floor_us": floor,
+                                 "ran": blocks[0].ran}
                     del blocks
                 stock = row["stock_bf16"]["us"]
-                cells = " ".join(f"{k} {v['us']:8.1f} (±{v['iqr']:.1f}, roof {v['floor_us'] / v['us']:.2f})"
-                                 for k, v in row.items() if isinstance(v, dict))
-                ratio = " ".join(f"x{stock / row[f'tuned_{f}']['us']:.2f}" for f in args.fmts.split(","))
-                print(f"tp{tp:<3} batch {batch:<3} {routing:10} experts {touched:4} {cells} speedup {ratio}", flush=True)
+                tuned = {k: v for k, v in row.items() if k.startswith("tuned")}
+                best = min(tuned, key=lambda k: tuned[k]["us"])
+                row["best"] = best
+                print(f"tp{tp:<3} batch {batch:<3} {routing:10} experts {touched:4} stock {stock:7.1f} "
+                      f"(roof {row['stock_bf16']['floor_us'] / stock:.2f}) | " +
+                      " ".join(f"{k[6:]} {v['us']:7.1f} x{stock / v['us']:.2f}" for k, v in tuned.items()) +
+                      f" | best {best[6:]} roof {tuned[best]['floor_us'] / tuned[best]['us']:.2f}", flush=True)
                 rows.append(row)
         del layers
         torch.cuda.empty_cache()

@@ -155,3 +155,12 @@ def test_tuned_bf16_block_runs_the_cute_expert_kernels():
     assert blk.ran["experts"].startswith("k3tune per-slot expert GEMVs (CuTe DSL)")
     assert blk.ran["routing"].startswith("k3tune route kernel")
     _check(blk, w, 8)
+
+
+def test_prefetch_does_not_change_the_result():
+    from k3tune.runtime import Selector
+
+    w = random_weights(K3, 16, device="cuda", seed=13)
+    blk = MoEBlock.build(w, "tuned", batch=4, selector=Selector.load(), prefetch_mib=16)
+    assert blk.ran["prefetch"].startswith("16 MiB")
+    _check(blk, w, 4)

@@ -50,6 +50,13 @@ def test_moe_expert_kernels_compile(arch):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         for kind, knobs in [("w13", (4, 4, 4, 4.0, 25.0)), ("w13", (1, 2, 1, 4.0, 25.0)), ("w2", (8, 2, 4)),
-                            ("w2", (4, 1, 2)), ("route", (896, 16, 1.0, False)), ("route", (40, 4, 1.0, True)),
+                            ("w2", (4, 1, 2)), ("w2", (16, 1, 2)), ("route", (896, 16, 1.0, False)), ("route", (40, 4, 1.0, True)),
                             ("sum_norm", (16, 1e-5)), ("situ", (4.0, 25.0))]:
             assert moe_kernel(kind, knobs, arch) is not None, (kind, knobs)
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_l2_prefetch_compiles(arch):
+    from k3tune.kernels.l2_prefetch import compiled as prefetch_kernel
+
+    assert prefetch_kernel(arch) is not None

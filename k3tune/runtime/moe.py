@@ -247,7 +247,8 @@ class MoEBlock:
 
     @classmethod
     def build(cls, weights: RankWeights, path: str, batch: int, draft: int = 0, selector=None,
-              comm: EmulatedComm | None = None, shared_stream=None, experts: str | None = None) -> MoEBlock:
+              comm: EmulatedComm | None = None, shared_stream=None, experts: str | None = None,
+              prefetch_mib: int = 0) -> MoEBlock:
         """``experts``: 'cute' (k3tune's grouped GEMV kernels, bf16 weights, GPU), 'grouped_mm'
         (torch._grouped_mm; MXFP4 dequantised first), or None: 'cute' on the tuned path where it can run."""
         import torch
@@ -274,6 +275,14 @@ class MoEBlock:
                 blk._gemms[op] = _bind_gemm(selector, op, weight, tokens, batch, draft, w.tp, dev)
                 blk.ran[op] = blk._gemms[op].label
             blk.ran["router_latent"] = blk._gemms["moe.router_latent"].label + ", split across ranks + all-gather"
+            if prefetch_mib > 0:
+                if not w.w_rl.is_cuda:
+                    raise ConfigError("L2 prefetch needs a GPU")
+                blk._cache["prefetch"] = (torch.cuda.Stream(), prefetch_mib << 20)
+                blk.ran["prefetch"] = (f"{prefetch_mib} MiB of the latent up-projection into L2 during routing "
+                                       "(cp.async.bulk.prefetch.L2, side stream)")
+            else:
+                blk.ran["prefetch"] = "off"
             if shared_stream is not None:
                 blk._side = shared_stream
                 blk.ran["shared"] = f"side stream {getattr(shared_stream, 'k3tune_label', '')}".strip()
@@ -293,7 +302,7 @@ class MoEBlock:
 
             k, dev = weights.shape.top_k, w.w_rl.device
             blk._cache["cfg13"] = ExpertKernelConfig(rows=4, warps=4, unroll=4)
-            blk._cache["cfg2"] = ExpertKernelConfig(rows=8, warps=2, unroll=4)
+            blk._cache["cfg2"] = ExpertKernelConfig(rows=16, warps=1, unroll=2)  # K is short: 192-384
             blk._cache["top"] = torch.empty(tokens, k, dtype=torch.int32, device=dev)
             blk._cache["wts"] = torch.empty(tokens, k, dtype=torch.float32, device=dev)
             blk._cache["act"] = torch.empty(tokens * k, weights.shape.inter // w.tp, dtype=torch.bfloat16, device=dev)
@@ -322,7 +331,14 @@ class MoEBlock:
         if self.path == "stock":
             y = torch.nn.functional.linear(x, self._cache["w_rl_full"])
         else:
-            y = self.comm.all_gather(self._gemms["moe.router_latent"](x))
+            y = self._gemms["moe.router_latent"](x)
+            pf = self._cache.get("prefetch")
+            if pf is not None:  # HBM idles through routing and the gather: pull the next weights into L2
+                from k3tune.kernels.l2_prefetch import prefetch
+
+                pf[0].wait_stream(torch.cuda.current_stream())
+                prefetch(w.w_up, pf[1], stream=pf[0])
+            y = self.comm.all_gather(y)
         scores, latent = y[:, :shape.experts], y[:, shape.experts:]
         if self._cache["experts"] == "cute":
             normed = self._cute_routed(y.contiguous(), latent.contiguous())
@@ -336,6 +352,8 @@ class MoEBlock:
             shared = self._shared(x)
         else:
             torch.cuda.current_stream().wait_stream(side)
+        if self._cache.get("prefetch") is not None:
+            torch.cuda.current_stream().wait_stream(self._cache["prefetch"][0])  # joined: graph-capturable
         return up + self.comm.all_reduce(shared)
 
     def _cute_routed(self, y, latent):
