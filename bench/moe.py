@@ -3,9 +3,9 @@
     python bench/moe.py [--tps 8,16] [--batches 1,2,4,8,16,32,64] [--routings uniform,zipf:1.2] [--fmts bf16]
                         [--shared-sms 0,16,64] [--prefetch-mib 0,16]
 
-Tuned variants: every (shared-expert SMs, prefetch MiB) pair; shared SMs 0 runs the shared experts on a
-plain side stream with the whole GPU (no partition), a multiple of 8 gives them a green-context partition
-of that many SMs (64 of the H200's 132 is the even split); prefetch 0 is off.
+Tuned variants: every (shared-expert SMs, prefetch MiB) pair; shared SMs 0 runs the shared experts serially
+after the routed experts, a multiple of 8 gives them a green-context partition of that many SMs running
+beside the routed experts (64 of the H200's 132 is the even split); prefetch 0 is off.
 
 Each path runs in a CUDA graph over ``--layers`` layers with distinct weights (decode reads them from HBM),
 after a warm-up; medians and IQRs of the per-layer time over ``--samples`` replays. Routing is imposed
@@ -84,7 +84,7 @@ def main() -> None:
     sel = Selector.load()
     sms_list = [int(v) for v in args.shared_sms.split(",")]
     pf_list = [int(v) for v in args.prefetch_mib.split(",")]
-    streams = {n: (green_partition(n).stream if n else torch.cuda.Stream()) for n in sms_list}
+    streams = {n: green_partition(n).stream for n in sms_list if n}
     bw = copy_bandwidth()
     print(f"# {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s, table {sel.hash}")
     rows = []
@@ -103,7 +103,7 @@ def main() -> None:
                 for path, fmt, sms, pf in variants:
                     name = f"{path}_{fmt}" + ("" if sms is None else f"_sms{sms}_pf{pf}")
                     blocks = [MoEBlock.build(w, path, batch=batch, selector=sel, prefetch_mib=pf,
-                                             shared_stream=None if sms is None else streams[sms])
+                                             shared_stream=streams.get(sms))
                               for w in layers[fmt]]
                     for b in blocks:
                         b.force_top = top

@@ -164,3 +164,21 @@ def test_prefetch_does_not_change_the_result():
     blk = MoEBlock.build(w, "tuned", batch=4, selector=Selector.load(), prefetch_mib=16)
     assert blk.ran["prefetch"].startswith("16 MiB")
     _check(blk, w, 4)
+
+
+def test_measurer_times_the_block_families():
+    """The sweep's GPU measurer runs both block families through the executor: correctness first against
+    the fp32 reference, then timing (what `k3tune sweep --spec configs/sweep_h200_moe_bf16.toml` does)."""
+    from k3tune.plan.problems import Problem
+    from k3tune.search.measure_gpu import GpuBackend
+    from k3tune.search.outcome import Task
+
+    p = Problem("moe.block", "moe_block", (("tp", 16), ("M", 4), ("experts", 896), ("top_k", 16), ("latent", 3584),
+                                           ("inter", 192), ("shared_inter", 384), ("hidden", 7168),
+                                           ("format", "bf16"), ("routing", "uniform")))
+    be = GpuBackend()
+    tuned = {"w13_rows": 4, "w13_warps": 4, "w13_unroll": 4, "w2_rows": 16, "w2_warps": 1, "shared_sms": 16,
+             "prefetch_mib": 8}
+    for fam, params in [("moe.stock", {}), ("moe.overlap", tuned)]:
+        out = be.measure(Task(0, p, fam, params, 0, 5))
+        assert out.status == "ok" and out.median_us > 0, (fam, out)

@@ -98,3 +98,17 @@ def test_block_shape_reads_k3s_config():
     assert (sh.situ_beta, sh.situ_linear_beta) == (4.0, 25.0)
     for tp in (8, 16):
         sh.check_tp(tp)
+
+
+def test_block_sweep_records_the_chosen_knobs(tmp_path):
+    """The bf16-expert block spec plans 14 problems and a (simulated) sweep records a winner for each, with
+    its shared-expert SM split and prefetch size; on a GPU the same spec is measured through the executor."""
+    import sqlite3
+
+    from k3tune.cli import main
+
+    db = tmp_path / "moe.sqlite"
+    assert main(["sweep", "--simulate", "h200", "--spec", "h200_moe_bf16", "--db", str(db), "--gpus", "2"]) == 0
+    rows = sqlite3.connect(db).execute("select family, params from winners").fetchall()
+    assert len(rows) == 14
+    assert all(f == "moe.stock" or ('"shared_sms"' in p and '"prefetch_mib"' in p) for f, p in rows)

@@ -181,10 +181,10 @@ def test_every_worker_lost_stops_the_sweep_with_a_clear_error(monkeypatch):
 
 
 def test_one_and_four_workers_choose_the_same_winners(tmp_path):
-    """Each measurement depends only on its task, but warm starts depend on which neighbours finished first,
-    so with more workers a search may end on another config: never a better or worse one beyond the
-    spreads (`k3tune db diff`: 'changed' = another kernel within the noise). On GPUs the same check runs on
-    the databases of a 1-GPU and an N-GPU sweep."""
+    """Each search depends only on its problem, its seed and the database as the run found it (warm starts
+    come from earlier runs' winners, never from problems finished during this run, whose order depends on
+    the worker count), and the simulated measurements only on their task: the winners are identical. On GPUs
+    the same check is `k3tune db diff` of a 1-GPU and an N-GPU sweep, equal up to statistical ties."""
     from k3tune.store import inspect
 
     sp = spec.load("smoke")
@@ -195,7 +195,7 @@ def test_one_and_four_workers_choose_the_same_winners(tmp_path):
         assert stats.problems_done == stats.problems_total and not stats.no_winner
         dbs.append(db)
     counts = inspect.diff(*dbs)["counts"]
-    assert set(counts) <= {"same", "changed"} and counts["same"] >= 0.8 * sum(counts.values()), counts
+    assert set(counts) == {"same"}, counts
 
 
 def test_rerun_does_no_new_work_and_stale_params_are_refused(db_path):

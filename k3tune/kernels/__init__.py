@@ -46,7 +46,7 @@ def _candidates(kind: str, backend: str) -> tuple[KernelFamily, ...]:
 
 def families_for(problem: Problem, backend: str) -> list[KernelFamily]:
     """Families that implement the problem and may run on the backend, safest first."""
-    return [f for f in _candidates(problem.kind, backend) if f.can_implement(problem)]
+    return [f for f in _candidates(problem.kind, backend) if f.can_implement(problem) and f.runs_on(problem, backend)]
 
 
 @functools.cache

@@ -93,6 +93,10 @@ class KernelFamily:
                 return c
             raise CannotImplement(f"{self.name} has no valid config for {problem.key}") from None
 
+    def runs_on(self, problem: Problem, backend: str) -> bool:
+        """Whether this backend can measure the problem with this family (some formats are GPU-pending)."""
+        return True
+
     def seeds(self, problem: Problem) -> list[KernelConfig]:
         """Hand-picked starting points the search measures first (after the default); none unless declared."""
         return []

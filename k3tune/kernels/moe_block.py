@@ -4,10 +4,16 @@ Phases: router + latent down-projection (split across TP, gathered), sigmoid top
 (grouped w13, SiTU, w2) over the experts the tokens selected, RMSNorm + latent up-projection; the 2 shared
 experts run beside them on their own SMs; the TP all-reduce closes the block (emulated on one GPU).
 
-``moe.stock`` is what a stock engine runs (everything serial, router replicated). ``moe.overlap`` declares
-the tuned block's knobs: grouped-expert variant, N tile and split-K, SMs given to the shared expert (0 =
-serial) and the L2 prefetch size (MiB pulled into L2 while routing leaves HBM idle; 0 = off). Both are
-``declared_only`` until the MoE block executor lands: they run on the simulated backend alone.
+``moe.stock`` is what a stock engine runs (everything serial, router replicated). ``moe.overlap`` is the
+tuned block: the routed-expert kernels' tiles (w13 rows/warps/unroll, w2 rows/warps), the SMs given to the
+shared experts (0 = serial after the routed experts; else a green-context partition of that many SMs) and
+the L2 prefetch size (MiB of the latent up-projection pulled into L2 while routing leaves HBM idle; 0 = off).
+
+On a GPU both run through the MoE block executor (k3tune/runtime/moe.py) with bf16 experts; MXFP4 problems
+stay simulated until the MXFP4 grouped kernel lands. A trial builds fresh random weights of the problem's
+true per-rank shapes, imposes a routing sampled from the problem's routing model (so every variant reads
+the same experts), checks the block against the fp32 reference, then times it. The block's weights exceed
+L2 several times, so no weight rotation is needed.
 """
 
 from __future__ import annotations
@@ -46,18 +52,95 @@ def allreduce_us(problem: Problem, hw) -> float:
     return 4.0 + 2 * (tp - 1) / tp * m * h * 2 / (hw.nvlink_gbps * 1e9) * 1e6
 
 
+class _BlockOnGpu:
+    """The measurer's interface for a block family, through the executor (bf16 experts on a GPU)."""
+
+    def runs_on(self, problem: Problem, backend: str) -> bool:
+        return backend != "gpu" or problem["format"] == "bf16"  # MXFP4 on a GPU: when its kernel lands
+
+    def weight_names(self, problem: Problem) -> tuple[str, ...]:
+        return ()
+
+    def make_inputs(self, problem: Problem, device, generator) -> dict:
+        import random
+
+        import torch
+
+        from k3tune.runtime.moe import random_weights
+
+        shape = block_shape(problem)
+        seed = int(torch.randint(0, 1 << 30, (1,), generator=generator, device=generator.device).item())
+        w = random_weights(shape, problem["tp"], fmt=str(problem["format"]), device=device, seed=seed)
+        ids = routing.sample(str(problem["routing"]), shape.experts, shape.top_k, problem["M"], random.Random(seed))
+        x = torch.randn(problem["M"], shape.hidden, device=device, generator=generator).to(torch.bfloat16)
+        return {"x": x, "weights": w, "top": torch.tensor(ids, device=device, dtype=torch.int32)}
+
+    def reference(self, problem: Problem, inputs: dict):
+        from k3tune.runtime.moe import reference, virtual_full
+
+        out, _, _ = reference(inputs["x"], virtual_full(inputs["weights"]), block_shape(problem), top=inputs["top"])
+        return out
+
+    def build(self, problem: Problem, cfg):
+        from k3tune.runtime import Selector
+        from k3tune.runtime.moe import MoEBlock
+
+        blocks: dict = {}
+
+        def run(inputs: dict):
+            key = id(inputs["weights"])
+            if key not in blocks:
+                blocks.clear()
+                blk = MoEBlock.build(inputs["weights"], self.path, batch=problem["M"], selector=_selector(Selector),
+                                     **self.block_knobs(cfg))
+                blk.force_top = inputs["top"]
+                blocks[key] = blk
+            return blocks[key](inputs["x"])
+
+        return run
+
+    def block_knobs(self, cfg) -> dict:
+        return {}
+
+
+def block_shape(problem: Problem):
+    from k3tune.runtime.moe import BlockShape
+
+    tp = problem["tp"]
+    return BlockShape(hidden=problem["hidden"], experts=problem["experts"], top_k=problem["top_k"],
+                      latent=problem["latent"], inter=problem["inter"] * tp, shared_inter=problem["shared_inter"] * tp)
+
+
+_SELECTOR: list = []
+_PARTITIONS: dict = {}
+
+
+def _selector(cls):
+    if not _SELECTOR:
+        _SELECTOR.append(cls.load())  # this GPU's measured dense kernels (the shipped database)
+    return _SELECTOR[0]
+
+
+def _partition(sms: int):
+    from k3tune.runtime.partition import green_partition
+
+    if sms not in _PARTITIONS:  # one per size per worker process, kept for its lifetime
+        _PARTITIONS[sms] = green_partition(sms)
+    return _PARTITIONS[sms].stream
+
+
 @dataclass(frozen=True)
 class MoeStockConfig(KernelConfig):
     pass
 
 
-class MoeStock(KernelFamily):
+class MoeStock(_BlockOnGpu, KernelFamily):
     name = "moe.stock"
     kinds = frozenset({"moe_block"})
     config_cls = MoeStockConfig
-    backends = frozenset({"simulated"})
-    declared_only = True
+    backends = frozenset({"simulated", "gpu"})
     priority = 10
+    path = "stock"
 
     def simulate_us(self, problem: Problem, cfg: MoeStockConfig, hw, roofline_us) -> float:
         m, hid, lat, sh = problem["M"], problem["hidden"], problem["latent"], problem["shared_inter"]
@@ -76,32 +159,48 @@ class MoeStock(KernelFamily):
 
 @dataclass(frozen=True)
 class MoeOverlapConfig(KernelConfig):
-    variant: str = "grouped_tc"
-    tile_n: int = 128
-    split_k: int = 1
+    w13_rows: int = 4
+    w13_warps: int = 4
+    w13_unroll: int = 4
+    w2_rows: int = 16
+    w2_warps: int = 1
     shared_sms: int = 0
     prefetch_mib: int = 0
 
 
-class MoeOverlap(KernelFamily):
+class MoeOverlap(_BlockOnGpu, KernelFamily):
     name = "moe.overlap"
     kinds = frozenset({"moe_block"})
     config_cls = MoeOverlapConfig
-    backends = frozenset({"simulated"})
-    declared_only = True
+    backends = frozenset({"simulated", "gpu"})
     priority = 30
+    path = "tuned"
 
     def space(self, problem: Problem) -> dict[str, tuple]:
         return {
-            "variant": ("grouped_tc", "grouped_fma") if problem["M"] <= 16 else ("grouped_tc",),
-            "tile_n": (64, 128, 256),
-            "split_k": (1, 2, 4),
-            "shared_sms": (0, 8, 16, 24, 32, 40, 48, 64),
-            "prefetch_mib": (0, 2, 4, 8, 16, 32),
+            "w13_rows": (2, 4, 8),
+            "w13_warps": (2, 4, 8),
+            "w13_unroll": (2, 4),
+            "w2_rows": (8, 16, 32),
+            "w2_warps": (1, 2),
+            "shared_sms": (0, 8, 16, 24, 32, 40, 48, 64),  # 64 of an H200's 132 is the even split
+            "prefetch_mib": (0, 4, 8, 16, 32),
         }
+
+    def valid(self, cfg: MoeOverlapConfig, problem: Problem) -> bool:
+        # registers of a lane's load batch (16-byte vectors = 4 registers): keep clear of spills
+        return 4 * 2 * cfg.w13_rows * cfg.w13_unroll <= 128 and 4 * cfg.w2_rows * 2 <= 128
 
     def default(self, problem: Problem) -> MoeOverlapConfig:
         return MoeOverlapConfig(shared_sms=16)
+
+    def block_knobs(self, cfg: MoeOverlapConfig) -> dict:
+        from k3tune.kernels.moe_experts import ExpertKernelConfig
+
+        return {"experts_cfg": (ExpertKernelConfig(cfg.w13_rows, cfg.w13_warps, cfg.w13_unroll),
+                                ExpertKernelConfig(cfg.w2_rows, cfg.w2_warps, 2)),
+                "shared_stream": _partition(cfg.shared_sms) if cfg.shared_sms else None,
+                "prefetch_mib": cfg.prefetch_mib}
 
     def simulate_us(self, problem: Problem, cfg: MoeOverlapConfig, hw, roofline_us) -> float:
         m, tp, hid, lat = problem["M"], problem["tp"], problem["hidden"], problem["latent"]
@@ -111,13 +210,12 @@ class MoeOverlap(KernelFamily):
         gather = 3.0 + m * (e + lat) * 2 / (hw.nvlink_gbps * 1e9) * 1e6
         routing = 2 * hw.graph_launch_us
         touched = experts_touched(problem)
-        n_tiles = math.ceil(2 * problem["inter"] / cfg.tile_n)
+        n_tiles = math.ceil(problem["inter"] / cfg.w13_rows)
         routed_sms = sms - cfg.shared_sms
-        fma_penalty = 1.0 if cfg.variant == "grouped_tc" else (0.85 if m <= 4 else 1.25)
-        experts = Work(hbm_bytes=expert_bytes(problem) * fma_penalty, flops=2.0 * m * problem["top_k"] * lat * problem["inter"] * 3,
-                       ctas=int(touched * n_tiles * cfg.split_k), inflight_bytes_per_cta=cfg.tile_n * 256,
-                       tensor_cores=cfg.variant == "grouped_tc", launches=2 + (cfg.split_k > 1), sm_limit=routed_sms,
-                       ctas_per_sm=4, extra_us=0.3 * cfg.split_k)
+        experts = Work(hbm_bytes=expert_bytes(problem), flops=2.0 * m * problem["top_k"] * lat * problem["inter"] * 3,
+                       ctas=int(m * problem["top_k"] * n_tiles), inflight_bytes_per_cta=cfg.w13_warps * 32 * 16 * 2 *
+                       cfg.w13_rows * cfg.w13_unroll, tensor_cores=False, launches=4, sm_limit=routed_sms,
+                       ctas_per_sm=max(1, 16 // cfg.w13_warps), extra_us=0.02 * cfg.w2_rows / cfg.w2_warps)
         up = _gemm_work(m, hid, lat, 112, 16384, True, launches=2, sm_limit=routed_sms)
         routed = roofline_us(experts, hw) + roofline_us(up, hw)
         shared_w = [_gemm_work(m, 2 * sh // 1, hid, 96, 16384, True, sm_limit=cfg.shared_sms or sms),

@@ -112,8 +112,11 @@ def from_dict(raw: dict, source: str = "config") -> ModelConfig:
 
 
 def load(path: str | Path | None = None) -> ModelConfig:
-    """Load a config.json; None means K3's published config shipped in configs/."""
+    """Load a config.json; None means K3's published config shipped in configs/. A bare file name that is
+    not in the working directory is looked up among the shipped configs."""
     p = Path(path) if path else configs_dir() / "kimi_k3_config.json"
+    if path and not p.exists() and len(p.parts) == 1 and (configs_dir() / p).exists():
+        p = configs_dir() / p
     try:
         raw = json.loads(p.read_text())
     except FileNotFoundError:

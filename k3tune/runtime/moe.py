@@ -248,7 +248,7 @@ class MoEBlock:
     @classmethod
     def build(cls, weights: RankWeights, path: str, batch: int, draft: int = 0, selector=None,
               comm: EmulatedComm | None = None, shared_stream=None, experts: str | None = None,
-              prefetch_mib: int = 0) -> MoEBlock:
+              prefetch_mib: int = 0, experts_cfg: tuple | None = None) -> MoEBlock:
         """``experts``: 'cute' (k3tune's grouped GEMV kernels, bf16 weights, GPU), 'grouped_mm'
         (torch._grouped_mm; MXFP4 dequantised first), or None: 'cute' on the tuned path where it can run."""
         import torch
@@ -301,8 +301,9 @@ class MoEBlock:
             from k3tune.kernels.moe_experts import ExpertKernelConfig
 
             k, dev = weights.shape.top_k, w.w_rl.device
-            blk._cache["cfg13"] = ExpertKernelConfig(rows=4, warps=4, unroll=4)
-            blk._cache["cfg2"] = ExpertKernelConfig(rows=16, warps=1, unroll=2)  # K is short: 192-384
+            blk._cache["cfg13"], blk._cache["cfg2"] = experts_cfg or (
+                ExpertKernelConfig(rows=4, warps=4, unroll=4),
+                ExpertKernelConfig(rows=16, warps=1, unroll=2))  # w2's K is short: 192-384
             blk._cache["top"] = torch.empty(tokens, k, dtype=torch.int32, device=dev)
             blk._cache["wts"] = torch.empty(tokens, k, dtype=torch.float32, device=dev)
             blk._cache["act"] = torch.empty(tokens * k, weights.shape.inter // w.tp, dtype=torch.bfloat16, device=dev)

@@ -164,7 +164,8 @@ def run_sweep(opt: SweepOptions) -> SweepStats:
         elif d.default_us:
             sp = d.default_us / d.median_us
             stats.best_speedup = max(stats.best_speedup or 0.0, sp)
-        neighbours.setdefault(p.op, []).append((p, d.family, d.params))
+        # no warm start from winners found during this run: which neighbours finish first depends on the
+        # number of workers, and the winners must not (a 1-GPU and an N-GPU sweep choose the same kernels)
         stats.problems_done += 1
         report(f"{p.key}: {d.family or 'no correct candidate'} {d.median_us:.2f} us")
 

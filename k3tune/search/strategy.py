@@ -3,7 +3,7 @@ valid config when the space fits the budget; then the best few are measured agai
 with noise in mind.
 
 Every family's heuristic default is tried first (so the safe baseline is always measured), then configs
-that won on neighbouring problems (warm start). Results already in the database are fed back in, never
+that won on neighbouring problems in earlier runs (warm start; never from this run, so the worker count cannot change a result). Results already in the database are fed back in, never
 measured twice. Early stopping: no 1% gain over ``patience`` measured trials.
 """
 
