@@ -118,7 +118,8 @@ def main() -> None:
                     row[name] = {"us": statistics.median(t), "iqr": q[2] - q[0], "floor_us": floor,
                                  "ran": blocks[0].ran}
                     del blocks
-                if "stock_bf16" not in row:
+                if "us" not in row.get("stock_bf16", {}):
+                    rows.append(row)
                     continue
                 stock = row["stock_bf16"]["us"]
                 tuned = {k: v for k, v in row.items() if k.startswith("tuned") and "us" in v}
