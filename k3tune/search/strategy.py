@@ -71,6 +71,8 @@ class ProblemSearch:
         self.fams = {f.name: f for f in self.families}
         self.results: dict[tuple[str, str, int], Result] = {}
         self.in_flight: set[tuple[str, str, int]] = set()
+        self._dispatched: list[tuple[str, str, int]] = []  # handed out, not yet absorbed, in order
+        self._arrived: dict[tuple[str, str, int], tuple] = {}  # results waiting for an earlier one
         self.space = {f.name: f.space(self.problem) for f in self.families}
         self.all_configs = [(f, c) for f in self.families for c in f.configs(self.problem)]
         self.exhaustive = len(self.all_configs) <= self.settings.budget
@@ -164,7 +166,7 @@ class ProblemSearch:
             while self.queue:
                 cand = self.queue.pop(0)
                 if (cand.family, cand.key, 0) not in self.results:
-                    self.in_flight.add((cand.family, cand.key, 0))
+                    self._dispatch((cand.family, cand.key, 0))
                     return cand
             search_over = (self.measured >= self.settings.budget or self.since_gain >= self.settings.patience
                            or self.exhaustive or len(self.results) >= len(self.all_configs))
@@ -173,7 +175,7 @@ class ProblemSearch:
                     return None  # TPE learns from each result: one candidate at a time
                 cand = self._ask_tpe()
                 if cand is not None:
-                    self.in_flight.add((cand.family, cand.key, 0))
+                    self._dispatch((cand.family, cand.key, 0))
                     return cand
             if self.in_flight:
                 return None
@@ -189,7 +191,7 @@ class ProblemSearch:
             while self.queue:
                 cand = self.queue.pop(0)
                 if (cand.family, cand.key, 1) not in self.results:
-                    self.in_flight.add((cand.family, cand.key, 1))
+                    self._dispatch((cand.family, cand.key, 1))
                     return cand
             if not self.in_flight:
                 self.decision = self._decide()
@@ -198,9 +200,19 @@ class ProblemSearch:
     def samples_for(self, cand: Candidate) -> int:
         return self.settings.samples * (REMEASURE_SAMPLE_FACTOR if cand.round else 1)
 
+    def _dispatch(self, key: tuple) -> None:
+        self.in_flight.add(key)
+        self._dispatched.append(key)
+
     def tell(self, cand: Candidate, status: str, median, spread) -> None:
-        self.in_flight.discard((cand.family, cand.key, cand.round))
-        self._absorb(cand, status, median, spread)
+        """Results are absorbed in the order their candidates were handed out, whatever order they arrive
+        in (a result waiting for an earlier one still counts as in flight): the search's state (TPE history,
+        early-stopping counters) then does not depend on how many workers measured it."""
+        self._arrived[(cand.family, cand.key, cand.round)] = (cand, status, median, spread)
+        while self._dispatched and self._dispatched[0] in self._arrived:
+            key = self._dispatched.pop(0)
+            self.in_flight.discard(key)
+            self._absorb(*self._arrived.pop(key))
 
     @property
     def finished(self) -> bool:
