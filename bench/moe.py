@@ -30,6 +30,7 @@ from k3tune.kernels import mxfp4
 from k3tune.plan import routing as routings
 from k3tune.runtime import Selector
 from k3tune.runtime.moe import BlockShape, MoEBlock, random_weights
+from k3tune.search.measure_gpu import time_graph
 from k3tune.shipped import configs_dir
 
 
@@ -43,27 +44,8 @@ def block_bytes(sh: BlockShape, tp: int, path: str, fmt: str, touched: int, toke
 
 
 def time_blocks(blocks, x, samples: int) -> list[float]:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for b in blocks:
-            b(x)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for b in blocks:
-            b(x)
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(samples):
-        a, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        e.record()
-        e.synchronize()
-        times.append(a.elapsed_time(e) * 1e3 / len(blocks))
-    return times
+    """Per-layer times (us): the measurer's CUDA-graph timing of a step through every layer's block."""
+    return [t / len(blocks) for t in time_graph(lambda _: [b(x) for b in blocks], [{}], samples)]
 
 
 def main() -> None:
