@@ -116,8 +116,37 @@ def main() -> None:
                 rows.append(row)
         del layers
         torch.cuda.empty_cache()
-    Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "copy_bw": bw, "rows": rows},
-                                         indent=1))
+    summary = summarize(rows, sms_list, pf_list, args.fmts.split(",")[0])
+    print(json.dumps(summary, indent=1))
+    Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "copy_bw": bw, "summary": summary,
+                                          "rows": rows}, indent=1))
+
+
+def summarize(rows: list[dict], sms_list: list[int], pf_list: list[int], fmt: str) -> dict:
+    """Per configuration: speedup of the best tuned variant over stock; whether the best SM split (other
+    than 0 = serial and 64 = even) beats both; the prefetch gain (best prefetch > 0 vs off, same split)."""
+    def us(row, sms, pf):
+        v = row.get(f"tuned_{fmt}_sms{sms}_pf{pf}", {})
+        return v.get("us")
+
+    out = []
+    for r in rows:
+        if "us" not in r.get("stock_bf16", {}):
+            continue
+        best_at = {n: min((t for p in pf_list if (t := us(r, n, p)) is not None), default=None) for n in sms_list}
+        split = [t for n, t in best_at.items() if n not in (0, 64) and t is not None]
+        serial, even = best_at.get(0), best_at.get(64)
+        tuned = [t for t in best_at.values() if t is not None]
+        gains = {n: (us(r, n, 0) / min(t for p in pf_list if p and (t := us(r, n, p)) is not None) - 1)
+                 for n in sms_list if us(r, n, 0) and any(p and us(r, n, p) for p in pf_list)}
+        out.append({"tp": r["tp"], "batch": r["batch"], "routing": r["routing"],
+                    "speedup": r["stock_bf16"]["us"] / min(tuned) if tuned else None,
+                    "split_beats_serial_and_even": (bool(split) and serial is not None and even is not None
+                                                    and min(split) < min(serial, even)),
+                    "prefetch_gain": gains})
+    n = len(out)
+    return {"configs": n, "split_wins_fraction": sum(o["split_beats_serial_and_even"] for o in out) / n if n else None,
+            "per_config": out}
 
 
 if __name__ == "__main__":
