@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call on the lent H200: GPU tests, the measured dense sweep (resumable: its database lives in
 # .device/, carried between calls), the export to tuning_db/h200.sqlite, and bench/gemm.py.
-# Usage (device tool, carry [".carry", ".device"]): bash bench/h200_session.sh [tests] [sweep] [bench]
+# Usage (device tool, carry [".carry", ".device"]):
+#   bash bench/h200_session.sh [tests] [sweep] [bench] [moetests] [moebench] [moesweep]
 set -uo pipefail
 source .carry/cutedsl/unpack.sh || exit 1
 mkdir -p .device
@@ -16,5 +17,13 @@ for step in "$@"; do
            cp .device/h200-sweep.sqlite $OUT/ ;;
     bench) timeout ${BENCH_S:-300} python3 bench/gemm.py --db .device/h200-sweep.sqlite --out $OUT/bench-gemm.json \
              ${BENCH_ARGS:-} 2>&1 | tee $OUT/bench-gemm.log | tail -40 ;;
+    moetests) timeout ${TESTS_S:-300} python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu_moe.py 2>&1 \
+             | tee $OUT/gpu-moe-tests.log | tail -15 ;;
+    moebench) (cd bench && timeout ${BENCH_S:-300} python3 moe.py --out $OUT/bench-moe.json ${MOE_ARGS:-}) 2>&1 \
+             | tee $OUT/bench-moe.log | tail -40 ;;
+    moesweep) timeout ${SWEEP_S:-300} python3 bench/device_sweep.py --spec configs/sweep_h200_moe_bf16.toml \
+             --db .device/h200-moe.sqlite 2>&1 | tee $OUT/moe-sweep.log | tail -25
+           python3 -c "import sqlite3; c=sqlite3.connect('.device/h200-moe.sqlite'); c.execute('PRAGMA wal_checkpoint(TRUNCATE)')"
+           cp .device/h200-moe.sqlite $OUT/ ;;
   esac
 done
