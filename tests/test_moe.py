@@ -112,3 +112,22 @@ def test_block_sweep_records_the_chosen_knobs(tmp_path):
     rows = sqlite3.connect(db).execute("select family, params from winners").fetchall()
     assert len(rows) == 14
     assert all(f == "moe.stock" or ('"shared_sms"' in p and '"prefetch_mib"' in p) for f, p in rows)
+
+
+def test_sm_partition_refusals():
+    from k3tune.errors import HardwareError
+    from k3tune.runtime.partition import green_partition
+
+    with pytest.raises(ConfigError, match="multiple of 8"):
+        green_partition(12)
+    if not torch.cuda.is_available():
+        with pytest.raises(HardwareError, match="need a CUDA GPU"):
+            green_partition(16)
+
+
+def test_prefetch_and_cute_experts_refuse_a_cpu_block():
+    w = random_weights(SMALL, 1)
+    with pytest.raises(ConfigError, match="L2 prefetch needs a GPU"):
+        MoEBlock.build(w, "tuned", batch=1, selector=Selector.load(None), prefetch_mib=8)
+    with pytest.raises(ConfigError, match="CuTe grouped-expert kernels run bf16 experts on a GPU"):
+        MoEBlock.build(w, "tuned", batch=1, selector=Selector.load(None), experts="cute")
