@@ -131,3 +131,22 @@ def test_prefetch_and_cute_experts_refuse_a_cpu_block():
         MoEBlock.build(w, "tuned", batch=1, selector=Selector.load(None), prefetch_mib=8)
     with pytest.raises(ConfigError, match="CuTe grouped-expert kernels run bf16 experts on a GPU"):
         MoEBlock.build(w, "tuned", batch=1, selector=Selector.load(None), experts="cute")
+
+
+def test_serve_takes_the_block_choice_and_its_knobs_from_the_selector(tmp_path):
+    """A database whose moe.block winners come from a (simulated) sweep: serve() follows the choice for the
+    deployment and says so. Simulated winners are served only when asked for, and labelled; on a CPU the
+    knobs that need a GPU fall back to the tuned path's defaults."""
+    from k3tune.cli import main
+    from k3tune.plan import model as models, spec as specs
+
+    db = tmp_path / "moe.sqlite"
+    assert main(["sweep", "--simulate", "h200", "--spec", "h200_moe_bf16", "--db", str(db)]) == 0
+    sp = specs.load("h200_moe_bf16")
+    sel = Selector.load(str(db), simulated="h200", spec=sp, model=models.load(sp.model_config))
+    choice = sel.lookup("moe.block", 16, 8)
+    assert choice.source == "simulated"
+    small16 = BlockShape(hidden=256, experts=32, top_k=4, latent=128, inter=512, shared_inter=256)  # splits 16 ways
+    blk = MoEBlock.serve(random_weights(small16, 16), sel, batch=8)
+    assert blk.ran["block"].startswith(choice.family) and blk.ran["block"].endswith("(simulated)")
+    assert blk.path == ("stock" if choice.family == "moe.stock" else "tuned")

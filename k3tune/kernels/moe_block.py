@@ -53,7 +53,11 @@ def allreduce_us(problem: Problem, hw) -> float:
 
 
 class _BlockOnGpu:
-    """The measurer's interface for a block family, through the executor (bf16 experts on a GPU)."""
+    """The measurer's interface for a block family, through the runtime executor (bf16 experts on a GPU).
+
+    A deliberate exception to 'kernels know nothing of databases': a block's measured time must include
+    the dense kernels it will be served with, and those come from the tuning database through the runtime
+    selector; so measuring a block builds the runtime's executor (imported lazily, at measurement time)."""
 
     def runs_on(self, problem: Problem, backend: str) -> bool:
         return backend != "gpu" or problem["format"] == "bf16"  # MXFP4 on a GPU: when its kernel lands
@@ -112,7 +116,6 @@ def block_shape(problem: Problem):
 
 
 _SELECTOR: list = []
-_PARTITIONS: dict = {}
 
 
 def _selector(cls):
@@ -122,11 +125,9 @@ def _selector(cls):
 
 
 def _partition(sms: int):
-    from k3tune.runtime.partition import green_partition
+    from k3tune.runtime.partition import shared_partition
 
-    if sms not in _PARTITIONS:  # one per size per worker process, kept for its lifetime
-        _PARTITIONS[sms] = green_partition(sms)
-    return _PARTITIONS[sms].stream
+    return shared_partition(sms).stream
 
 
 @dataclass(frozen=True)

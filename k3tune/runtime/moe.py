@@ -319,6 +319,30 @@ class MoEBlock:
                                   else "MXFP4 dequantised (torch reference) + torch._grouped_mm")
         return blk
 
+    @classmethod
+    def serve(cls, weights: RankWeights, selector, batch: int, draft: int = 0,
+              comm: EmulatedComm | None = None) -> MoEBlock:
+        """The block as serving runs it: the selector's ``moe.block`` choice decides the path and every knob
+        (expert-kernel tiles, shared-expert SM partition, L2 prefetch); its dense GEMMs are the selector's
+        too. ``ran['block']`` says which choice was served and from where."""
+        choice = selector.lookup("moe.block", weights.tp, batch, draft)
+        p = dict(choice.params)
+        if choice.family == "moe.overlap" and weights.fmt == "bf16" and weights.w_rl.is_cuda:
+            from k3tune.kernels.moe_experts import ExpertKernelConfig
+            from k3tune.runtime.partition import shared_partition
+
+            blk = cls.build(weights, "tuned", batch, draft, selector=selector, comm=comm,
+                            shared_stream=shared_partition(p["shared_sms"]).stream if p["shared_sms"] else None,
+                            prefetch_mib=p["prefetch_mib"],
+                            experts_cfg=(ExpertKernelConfig(p["w13_rows"], p["w13_warps"], p["w13_unroll"]),
+                                         ExpertKernelConfig(p["w2_rows"], p["w2_warps"], 2)))
+        elif weights.fmt == "bf16" and choice.family == "moe.stock":
+            blk = cls.build(weights, "stock", batch, draft, comm=comm)
+        else:  # MXFP4 (no tuned GPU kernel yet) or a CPU: the tuned path with its defaults, labelled
+            blk = cls.build(weights, "tuned", batch, draft, selector=selector, comm=comm)
+        blk.ran["block"] = f"{choice.family} {json.dumps(p, sort_keys=True)} ({choice.source})"
+        return blk
+
     # ---- the step --------------------------------------------------------------------------------
     def __call__(self, x):
         import torch

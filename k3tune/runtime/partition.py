@@ -67,3 +67,13 @@ def green_partition(n_sms: int, device: int = 0) -> SmPartition:
     granted = groups[0].sm.smCount
     stream.k3tune_label = f"(green context, {granted} SMs)"
     return SmPartition(granted, stream, ctx, raw)
+
+
+_CACHE: dict[tuple[int, int], SmPartition] = {}
+
+
+def shared_partition(n_sms: int, device: int = 0) -> SmPartition:
+    """One partition per (size, device) for the life of the process: green contexts are not free to make."""
+    if (n_sms, device) not in _CACHE:
+        _CACHE[(n_sms, device)] = green_partition(n_sms, device)
+    return _CACHE[(n_sms, device)]
