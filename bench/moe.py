@@ -24,8 +24,8 @@ import statistics
 from pathlib import Path
 
 import torch
-
 from gemm import copy_bandwidth  # bench/gemm.py (this script runs from bench/)
+
 from k3tune.kernels import mxfp4
 from k3tune.plan import routing as routings
 from k3tune.runtime import Selector

@@ -16,11 +16,13 @@ import itertools
 import json
 
 import torch
-
 from gemm import copy_bandwidth, measure  # bench/gemm.py (this script runs from bench/)
+
 from k3tune.errors import CannotImplement
 from k3tune.kernels import family
-from k3tune.plan import model as models, problems as plans, spec as specs
+from k3tune.plan import model as models
+from k3tune.plan import problems as plans
+from k3tune.plan import spec as specs
 
 DEFAULT_OPS = "kda.qkvg_proj,kda.o_proj,moe.router_latent,moe.shared_w13,mla.kv_a"
 

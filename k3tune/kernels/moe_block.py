@@ -210,7 +210,6 @@ class MoeOverlap(_BlockOnGpu, KernelFamily):
         router = roofline_us(_gemm_work(m, (e + lat) // tp, hid, max(8, (e + lat) // tp // 16), 8192, False), hw)
         gather = 3.0 + m * (e + lat) * 2 / (hw.nvlink_gbps * 1e9) * 1e6
         routing = 2 * hw.graph_launch_us
-        touched = experts_touched(problem)
         n_tiles = math.ceil(problem["inter"] / cfg.w13_rows)
         routed_sms = sms - cfg.shared_sms
         experts = Work(hbm_bytes=expert_bytes(problem), flops=2.0 * m * problem["top_k"] * lat * problem["inter"] * 3,
