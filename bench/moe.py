@@ -29,7 +29,7 @@ from gemm import copy_bandwidth  # bench/gemm.py (this script runs from bench/)
 from k3tune.kernels import mxfp4
 from k3tune.plan import routing as routings
 from k3tune.runtime import Selector
-from k3tune.runtime.moe import BlockShape, MoEBlock, random_weights
+from k3tune.runtime.moe import BlockShape, EmulatedComm, MoEBlock, random_weights
 from k3tune.search.measure_gpu import time_graph
 from k3tune.shipped import configs_dir
 
@@ -56,6 +56,8 @@ def main() -> None:
     ap.add_argument("--fmts", default="bf16", help="tuned-path expert formats (the stock path is bf16)")
     ap.add_argument("--shared-sms", default="0,16,64")
     ap.add_argument("--prefetch-mib", default="0,16")
+    ap.add_argument("--link", default="gb300", help="collective stand-ins timed by this hardware's NVLink "
+                    "(a name from k3tune.plan.hardware), or 'none' for no link time")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--samples", type=int, default=15)
     ap.add_argument("--out", default="bench-moe.json")
@@ -68,7 +70,8 @@ def main() -> None:
     pf_list = [int(v) for v in args.prefetch_mib.split(",")]
     streams = {n: green_partition(n).stream for n in sms_list if n}
     bw = copy_bandwidth()
-    print(f"# {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s, table {sel.hash}")
+    print(f"# {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s, table {sel.hash}, collectives: "
+          f"{'emulated, no link time' if args.link == 'none' else 'emulated, stand-ins timed by ' + args.link + ' NVLink'}")
     rows = []
     for tp in (int(t) for t in args.tps.split(",")):
         layers = {fmt: [random_weights(sh, tp, fmt=fmt, device="cuda", seed=i) for i in range(args.layers)]
@@ -84,9 +87,10 @@ def main() -> None:
                                                           for n in sms_list for p in pf_list]
                 for path, fmt, sms, pf in variants:
                     name = f"{path}_{fmt}" + ("" if sms is None else f"_sms{sms}_pf{pf}")
+                    comm = EmulatedComm(tp) if args.link == "none" else EmulatedComm.for_target(args.link, tp)
                     try:
                         blocks = [MoEBlock.build(w, path, batch=batch, selector=sel, prefetch_mib=pf,
-                                                 shared_stream=streams.get(sms))
+                                                 shared_stream=streams.get(sms), comm=comm)
                                   for w in layers[fmt]]
                         for b in blocks:
                             b.force_top = top

@@ -77,6 +77,17 @@ def test_emulated_collectives_follow_the_identical_shard_convention():
     assert torch.equal(comm.all_reduce(x), 4 * x)
 
 
+def test_collective_stand_ins_take_the_targets_link_time():
+    from k3tune.plan.hardware import spec
+
+    comm = EmulatedComm.for_target("gb300", 16)
+    nbytes = 8 * 7168 * 2  # an all-reduce of 8 tokens of the hidden state, bf16
+    expected = 4.0 + 2 * 15 / 16 * nbytes / (spec("gb300").nvlink_gbps * 1e9) * 1e6
+    assert comm.stand_in_us(nbytes, 2.0) == pytest.approx(expected)
+    assert "emulated (tp=16, stand-in for" in comm.label
+    assert EmulatedComm.for_target("gb300", 1).stand_in_us(nbytes, 2.0) == 0.0
+
+
 def test_refusals_are_one_line_config_errors():
     with pytest.raises(ConfigError, match="does not divide"):
         random_weights(SMALL, 3)

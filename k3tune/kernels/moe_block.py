@@ -13,7 +13,8 @@ On a GPU both run through the MoE block executor (k3tune/runtime/moe.py) with bf
 stay simulated until the MXFP4 grouped kernel lands. A trial builds fresh random weights of the problem's
 true per-rank shapes, imposes a routing sampled from the problem's routing model (so every variant reads
 the same experts), checks the block against the fp32 reference, then times it. The block's weights exceed
-L2 several times, so no weight rotation is needed.
+L2 several times, so no weight rotation is needed. The TP collectives are emulated: stand-ins that occupy
+the GPU for the time this GPU's NVLink (its hardware spec) would take, without touching HBM.
 """
 
 from __future__ import annotations
@@ -86,9 +87,13 @@ class _BlockOnGpu:
         return out
 
     def build(self, problem: Problem, cfg):
+        from k3tune.plan import hardware
         from k3tune.runtime import Selector
-        from k3tune.runtime.moe import MoEBlock
+        from k3tune.runtime.moe import EmulatedComm, MoEBlock
 
+        found = hardware.detect()
+        hw = found[1] if found else None  # collectives: stand-ins timed by this GPU's own NVLink (its spec)
+        comm = EmulatedComm(problem["tp"], hw.nvlink_gbps, 4.0, hw.name) if hw else EmulatedComm(problem["tp"])
         blocks: dict = {}
 
         def run(inputs: dict):
@@ -96,7 +101,7 @@ class _BlockOnGpu:
             if key not in blocks:
                 blocks.clear()
                 blk = MoEBlock.build(inputs["weights"], self.path, batch=problem["M"], selector=_selector(Selector),
-                                     **self.block_knobs(cfg))
+                                     comm=comm, **self.block_knobs(cfg))
                 blk.force_top = inputs["top"]
                 blocks[key] = blk
             return blocks[key](inputs["x"])

@@ -193,22 +193,45 @@ def routing_agrees(top, biased, shape: BlockShape, tol: float = 1e-2) -> bool:
 
 class EmulatedComm:
     """Collectives of a TP group on one GPU: the other ranks hold this rank's shards (see module doc).
-    ``stand_in_us`` > 0 also occupies the GPU that long per collective without touching HBM."""
 
-    def __init__(self, tp: int, stand_in_us: float = 0.0):
-        self.tp, self.stand_in_us = tp, stand_in_us
-        self.label = "identity (tp=1)" if tp == 1 else f"emulated (tp={tp}, stand-in {stand_in_us:.1f} us)"
+    With a target link (``link_gbps`` > 0, e.g. from ``for_target('gb300', tp)``), each collective also
+    occupies the GPU for the time that link would take — ``latency_us`` plus the ring's bytes over the link —
+    with a spin kernel that reads no memory (a stand-in: HBM stays free, as it would be). The label says
+    emulated, with the target."""
 
-    def _occupy(self, x):
+    def __init__(self, tp: int, link_gbps: float = 0.0, latency_us: float = 0.0, target: str = ""):
+        self.tp, self.link_gbps, self.latency_us = tp, link_gbps, latency_us
+        if tp == 1:
+            self.label = "identity (tp=1)"
+        elif link_gbps > 0:
+            self.label = f"emulated (tp={tp}, stand-in for {target or 'the target'}'s link: {latency_us:.1f} us + bytes / {link_gbps:.0f} GB/s)"
+        else:
+            self.label = f"emulated (tp={tp}, no link time)"
+
+    @classmethod
+    def for_target(cls, hardware: str, tp: int, latency_us: float = 4.0) -> EmulatedComm:
+        """Stand-ins timed by a hardware model's NVLink bandwidth (k3tune.plan.hardware)."""
+        from k3tune.plan.hardware import spec
+
+        hw = spec(hardware)
+        return cls(tp, hw.nvlink_gbps, latency_us, hw.name)
+
+    def stand_in_us(self, nbytes: int, ring_factor: float) -> float:
+        if self.tp == 1 or self.link_gbps <= 0:
+            return 0.0
+        return self.latency_us + ring_factor * (self.tp - 1) / self.tp * nbytes / (self.link_gbps * 1e9) * 1e6
+
+    def _occupy(self, x, ring_factor: float = 2.0):
         import torch
 
-        if self.stand_in_us > 0 and x.is_cuda:
-            torch.cuda._sleep(int(self.stand_in_us * _SPIN_CYCLES_PER_US))
+        us = self.stand_in_us(x.numel() * x.element_size(), ring_factor)
+        if us > 0 and x.is_cuda:
+            torch.cuda._sleep(int(us * _SPIN_CYCLES_PER_US))
 
     def all_gather(self, x):
         import torch
 
-        self._occupy(x)
+        self._occupy(x, ring_factor=self.tp)  # a ring all-gather moves (tp - 1) parts of x's size
         return x if self.tp == 1 else torch.cat([x] * self.tp, dim=-1)
 
     def all_reduce(self, x):
