@@ -19,6 +19,7 @@ the GPU for the time this GPU's NVLink (its hardware spec) would take, without t
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -88,7 +89,6 @@ class _BlockOnGpu:
 
     def build(self, problem: Problem, cfg):
         from k3tune.plan import hardware
-        from k3tune.runtime import Selector
         from k3tune.runtime.moe import EmulatedComm, MoEBlock
 
         found = hardware.detect()
@@ -100,7 +100,7 @@ class _BlockOnGpu:
             key = id(inputs["weights"])
             if key not in blocks:
                 blocks.clear()
-                blk = MoEBlock.build(inputs["weights"], self.path, batch=problem["M"], selector=_selector(Selector),
+                blk = MoEBlock.build(inputs["weights"], self.path, batch=problem["M"], selector=_selector(),
                                      comm=comm, **self.block_knobs(cfg))
                 blk.force_top = inputs["top"]
                 blocks[key] = blk
@@ -120,13 +120,12 @@ def block_shape(problem: Problem):
                       latent=problem["latent"], inter=problem["inter"] * tp, shared_inter=problem["shared_inter"] * tp)
 
 
-_SELECTOR: list = []
+@functools.cache
+def _selector():
+    """This GPU's measured dense kernels (the shipped database), loaded once per worker process."""
+    from k3tune.runtime import Selector
 
-
-def _selector(cls):
-    if not _SELECTOR:
-        _SELECTOR.append(cls.load())  # this GPU's measured dense kernels (the shipped database)
-    return _SELECTOR[0]
+    return Selector.load()
 
 
 def _partition(sms: int):

@@ -33,7 +33,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from k3tune.errors import ConfigError
-from k3tune.kernels import mxfp4
+# these kernel modules import the DSL only when a kernel is built: importing the executor stays light
+from k3tune.kernels import moe_experts, mxfp4
+from k3tune.kernels.l2_prefetch import prefetch
 
 
 @dataclass(frozen=True)
@@ -321,12 +323,10 @@ class MoEBlock:
         blk._cache["w13_t"] = None if w.fmt == "mxfp4" else w.w13.transpose(1, 2)
         blk._cache["w2_t"] = None if w.fmt == "mxfp4" else w.w2.transpose(1, 2)
         if experts == "cute":
-            from k3tune.kernels.moe_experts import ExpertKernelConfig
-
-            k, dev = weights.shape.top_k, w.w_rl.device
+            k = weights.shape.top_k
             blk._cache["cfg13"], blk._cache["cfg2"] = experts_cfg or (
-                ExpertKernelConfig(rows=4, warps=4, unroll=4),
-                ExpertKernelConfig(rows=16, warps=1, unroll=2))  # w2's K is short: 192-384
+                moe_experts.ExpertKernelConfig(rows=4, warps=4, unroll=4),
+                moe_experts.ExpertKernelConfig(rows=16, warps=1, unroll=2))  # w2's K is short: 192-384
             blk._cache["top"] = torch.empty(tokens, k, dtype=torch.int32, device=dev)
             blk._cache["wts"] = torch.empty(tokens, k, dtype=torch.float32, device=dev)
             blk._cache["act"] = torch.empty(tokens * k, weights.shape.inter // w.tp, dtype=torch.bfloat16, device=dev)
@@ -351,14 +351,10 @@ class MoEBlock:
         choice = selector.lookup("moe.block", weights.tp, batch, draft)
         p = dict(choice.params)
         if choice.family == "moe.overlap" and weights.fmt == "bf16" and weights.w_rl.is_cuda:
-            from k3tune.kernels.moe_experts import ExpertKernelConfig
-            from k3tune.runtime.partition import shared_partition
+            from k3tune.kernels import family
 
-            blk = cls.build(weights, "tuned", batch, draft, selector=selector, comm=comm,
-                            shared_stream=shared_partition(p["shared_sms"]).stream if p["shared_sms"] else None,
-                            prefetch_mib=p["prefetch_mib"],
-                            experts_cfg=(ExpertKernelConfig(p["w13_rows"], p["w13_warps"], p["w13_unroll"]),
-                                         ExpertKernelConfig(p["w2_rows"], p["w2_warps"], 2)))
+            knobs = family(choice.family).block_knobs(choice.config())  # the same mapping the sweep measured
+            blk = cls.build(weights, "tuned", batch, draft, selector=selector, comm=comm, **knobs)
         elif weights.fmt == "bf16" and choice.family == "moe.stock":
             blk = cls.build(weights, "stock", batch, draft, comm=comm)
         else:  # MXFP4 (no tuned GPU kernel yet) or a CPU: the tuned path with its defaults, labelled
@@ -382,8 +378,6 @@ class MoEBlock:
             y = self._gemms["moe.router_latent"](x)
             pf = self._cache.get("prefetch")
             if pf is not None:  # HBM idles through routing and the gather: pull the next weights into L2
-                from k3tune.kernels.l2_prefetch import prefetch
-
                 pf[0].wait_stream(torch.cuda.current_stream())
                 prefetch(w.w_up, pf[1], stream=pf[0])
             y = self.comm.all_gather(y)
@@ -408,8 +402,6 @@ class MoEBlock:
         """Routing, both expert projections, the slot sum and the RMSNorm: five launches. The emulated
         all-reduce of the routed latent (x tp) is folded into the norm's eps (RMSNorm(c x) = x / sqrt(mean
         x^2 + eps / c^2)); its stand-in time, if any, still runs."""
-        from k3tune.kernels import moe_experts
-
         w, shape, c = self.weights, self.weights.shape, self._cache
         forced = self.force_top is not None
         if forced:
@@ -430,8 +422,6 @@ class MoEBlock:
         f = torch.nn.functional.linear
         h = f(x, w.shared_w13) if self.path == "stock" else self._gemms["moe.shared_w13"](x)
         if self._cache["experts"] == "cute":
-            from k3tune.kernels import moe_experts
-
             a = self._cache["shared_act"]
             moe_experts.situ_rows(h, a, shape.situ_beta, shape.situ_linear_beta)
         else:
