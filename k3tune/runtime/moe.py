@@ -33,7 +33,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from k3tune.errors import ConfigError
-# these kernel modules import the DSL only when a kernel is built: importing the executor stays light
 from k3tune.kernels import moe_experts, mxfp4
 from k3tune.kernels.l2_prefetch import prefetch
 
