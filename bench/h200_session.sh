@@ -2,7 +2,8 @@
 # One device call on the lent H200: GPU tests, the measured dense sweep (resumable: its database lives in
 # .device/, carried between calls), the export to tuning_db/h200.sqlite, and bench/gemm.py.
 # Usage (device tool, carry [".carry", ".device"]):
-#   bash bench/h200_session.sh [tests] [sweep] [bench] [moetests] [moebench] [moesweep]
+#   bash bench/h200_session.sh [tests] [sweep] [bench] [moetests] [moebench] [moesweep] [moeserved]
+# moeserved: the MoE sweep's winners merged into a copy of tuning_db/h200.sqlite, then bench/moe.py --served
 set -uo pipefail
 source .carry/cutedsl/unpack.sh || exit 1
 mkdir -p .device
@@ -25,5 +26,9 @@ for step in "$@"; do
              --db .device/h200-moe.sqlite 2>&1 | tee $OUT/moe-sweep.log | tail -25
            python3 -c "import sqlite3; c=sqlite3.connect('.device/h200-moe.sqlite'); c.execute('PRAGMA wal_checkpoint(TRUNCATE)')"
            cp .device/h200-moe.sqlite $OUT/ ;;
+    moeserved) python3 -c "from k3tune.store.db import Database; from k3tune.store.transfer import merge; \
+               merge('.device/served.sqlite', [Database('tuning_db/h200.sqlite'), Database('.device/h200-moe.sqlite')])"
+           (cd bench && timeout ${BENCH_S:-300} python3 moe.py --db ../.device/served.sqlite --served \
+             --out $OUT/bench-moe-served.json ${MOE_ARGS:-}) 2>&1 | tee $OUT/bench-moe-served.log | grep -v "^ \|^{\|^}" ;;
   esac
 done

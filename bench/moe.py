@@ -61,11 +61,14 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--samples", type=int, default=15)
     ap.add_argument("--out", default="bench-moe.json")
+    ap.add_argument("--db", default=None, help="tuning database (default: the shipped one for this GPU)")
+    ap.add_argument("--served", action="store_true", help="also run the block as served: every knob from the "
+                    "database's moe.block winner (MoEBlock.serve)")
     args = ap.parse_args()
     from k3tune.runtime.partition import green_partition
 
     sh = BlockShape.from_config(configs_dir() / "kimi_k3_config.json")
-    sel = Selector.load()
+    sel = Selector.load(args.db)
     sms_list = [int(v) for v in args.shared_sms.split(",")]
     pf_list = [int(v) for v in args.prefetch_mib.split(",")]
     streams = {n: green_partition(n).stream for n in sms_list if n}
@@ -85,11 +88,13 @@ def main() -> None:
                 row = {"tp": tp, "batch": batch, "routing": routing, "touched": touched}
                 variants = [("stock", "bf16", None, 0)] + [("tuned", f, n, p) for f in args.fmts.split(",")
                                                           for n in sms_list for p in pf_list]
+                variants += [("served", f, None, 0) for f in args.fmts.split(",") if args.served]
                 for path, fmt, sms, pf in variants:
                     name = f"{path}_{fmt}" + ("" if sms is None else f"_sms{sms}_pf{pf}")
                     comm = EmulatedComm(tp) if args.link == "none" else EmulatedComm.for_target(args.link, tp)
                     try:
-                        blocks = [MoEBlock.build(w, path, batch=batch, selector=sel, prefetch_mib=pf,
+                        blocks = [MoEBlock.serve(w, sel, batch, comm=comm) if path == "served" else
+                                  MoEBlock.build(w, path, batch=batch, selector=sel, prefetch_mib=pf,
                                                  shared_stream=streams.get(sms), comm=comm)
                                   for w in layers[fmt]]
                         for b in blocks:
@@ -108,15 +113,17 @@ def main() -> None:
                     rows.append(row)
                     continue
                 stock = row["stock_bf16"]["us"]
-                tuned = {k: v for k, v in row.items() if k.startswith("tuned") and "us" in v}
+                tuned = {k: v for k, v in row.items() if k.startswith(("tuned", "served")) and "us" in v}
                 if not tuned:
                     continue
                 best = min(tuned, key=lambda k: tuned[k]["us"])
                 row["best"] = best
                 print(f"tp{tp:<3} batch {batch:<3} {routing:10} experts {touched:4} stock {stock:7.1f} "
                       f"(roof {row['stock_bf16']['floor_us'] / stock:.2f}) | " +
-                      " ".join(f"{k[6:]} {v['us']:7.1f} x{stock / v['us']:.2f}" for k, v in tuned.items()) +
-                      f" | best {best[6:]} roof {tuned[best]['floor_us'] / tuned[best]['us']:.2f}", flush=True)
+                      " ".join(f"{k.removeprefix('tuned_')} {v['us']:7.1f} x{stock / v['us']:.2f}"
+                               for k, v in tuned.items()) +
+                      f" | best {best.removeprefix('tuned_')} roof {tuned[best]['floor_us'] / tuned[best]['us']:.2f}",
+                      flush=True)
                 rows.append(row)
         del layers
         torch.cuda.empty_cache()
@@ -145,6 +152,10 @@ def summarize(rows: list[dict], sms_list: list[int], pf_list: list[int], fmt: st
                  for n in sms_list if us(r, n, 0) and any(p and us(r, n, p) for p in pf_list)}
         out.append({"tp": r["tp"], "batch": r["batch"], "routing": r["routing"],
                     "speedup": r["stock_bf16"]["us"] / min(tuned) if tuned else None,
+                    "served_speedup": (r["stock_bf16"]["us"] / r[f"served_{fmt}"]["us"]
+                                       if "us" in r.get(f"served_{fmt}", {}) else None),
+                    "served_roof": (r[f"served_{fmt}"]["floor_us"] / r[f"served_{fmt}"]["us"]
+                                    if "us" in r.get(f"served_{fmt}", {}) else None),
                     "split_beats_serial_and_even": (bool(split) and serial is not None and even is not None
                                                     and min(split) < min(serial, even)),
                     "prefetch_gain": gains})

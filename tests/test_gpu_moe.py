@@ -84,17 +84,18 @@ def test_shared_experts_in_a_green_context_partition():
 
 
 @pytest.mark.parametrize("b,k,experts,inter,latent", [(3, 4, 16, 96, 264), (9, 4, 40, 64, 128), (1, 16, 896, 384, 3584),
-                                                      (64, 16, 896, 192, 3584)])
+                                                      (64, 16, 896, 192, 3584), (33, 16, 896, 384, 3584)])
 def test_routed_expert_kernels_match_torch(b, k, experts, inter, latent):
-    """Route, w13+SiTU, w2 and the slot sum + RMSNorm kernels against torch in fp32, outputs poisoned, over
-    odd widths and expert counts (40: a partial last warp chunk), several knob sets; b=9: every token picks
-    expert 0, so CTAs of different tokens read the same expert."""
+    """Route (with the grouping by expert), w13+SiTU, w2 and the slot sum + RMSNorm kernels against torch in
+    fp32, outputs poisoned, over odd widths and expert counts (40: a partial last warp chunk), several knob
+    sets (lanes per row 4-32) and tokens per work item (1, 2, 4, 8: partial items); b=9: every token picks expert 0, so items
+    hold several tokens of one expert; b=33 with Zipf-like bias: shared and unshared experts mixed."""
     import itertools
 
     import torch
 
     from k3tune.kernels import moe_experts
-    from k3tune.kernels.moe_experts import ExpertKernelConfig
+    from k3tune.kernels.moe_experts import ExpertKernelConfig, Groups
     from k3tune.runtime.moe import situ
 
     g = torch.Generator(device="cuda").manual_seed(b * 131 + experts)
@@ -102,44 +103,60 @@ def test_routed_expert_kernels_match_torch(b, k, experts, inter, latent):
     bias = torch.randn(experts, device="cuda", generator=g) * 0.1
     if b == 9:
         bias[0] = 10.0
-    top = torch.full((b, k), -1, dtype=torch.int32, device="cuda")
-    wts = torch.full((b, k), float("nan"), device="cuda")
-    moe_experts.route(y, bias, top, wts, k, 1.0)
-    s = torch.sigmoid(y[:, :experts].float())
-    kth = torch.topk(s + bias, k, dim=-1).values[:, -1:]
-    chosen = (s + bias).gather(1, top.long())
-    assert bool((chosen >= kth - 1e-3).all()) and all(len(set(r.tolist())) == k for r in top)
-    ref_w = s.gather(1, top.long())
-    assert torch.allclose(wts, ref_w / ref_w.sum(-1, keepdim=True), rtol=1e-3, atol=1e-5)
-    forced = torch.stack([torch.randperm(experts, device="cuda", generator=g)[:k] for _ in range(b)]).int()
-    top_f, wts_f = forced.clone(), torch.full((b, k), float("nan"), device="cuda")
-    moe_experts.route(y, bias, top_f, wts_f, k, 1.0, forced=True)
-    ref_f = s.gather(1, forced.long())
-    assert torch.equal(top_f, forced) and torch.allclose(wts_f, ref_f / ref_f.sum(-1, keepdim=True), rtol=1e-3)
-
+    if b == 33:
+        bias[:24] += 1.5  # a hot set most tokens share
     x = y[:, experts:].contiguous()
     w13 = (torch.randn(experts, 2 * inter, latent, device="cuda", generator=g) / latent ** 0.5).to(torch.bfloat16)
     w2 = (torch.randn(experts, latent, inter, device="cuda", generator=g) / inter ** 0.5).to(torch.bfloat16)
-    e = top.reshape(-1).long()
-    tok = torch.arange(b * k, device="cuda") // k
-    h = torch.einsum("tk,tnk->tn", x.float()[tok], w13.float()[e])
-    act_ref = situ(h[:, :inter], h[:, inter:], 4.0, 25.0)
     norm_w = (1 + 0.1 * torch.randn(latent, device="cuda", generator=g)).to(torch.bfloat16)
-    for (r13, w13w, u13), (r2, w2w, u2) in zip(itertools.product((1, 4), (2, 4), (1, 4)),
-                                               itertools.product((4, 8), (1, 2), (2, 4))):
+    s = torch.sigmoid(y[:, :experts].float())
+    kth = torch.topk(s + bias, k, dim=-1).values[:, -1:]
+    knobs = zip(itertools.product((1, 4), (2, 4), (1, 4), (32, 16)), itertools.product((4, 8), (1, 4), (1, 2)),
+                itertools.cycle((8, 32, 4, 16)), itertools.cycle((1, 2, 4, 8)))
+    for (r13, w13w, u13, l13), (r2, w2w, u2), l2, per in knobs:
+        grp = Groups.allocate(experts, b, k, per, "cuda")
+        top = torch.full((b, k), -1, dtype=torch.int32, device="cuda")
+        wts = torch.full((b, k), float("nan"), device="cuda")
+        moe_experts.route(y, bias, top, wts, k, 1.0, grp)
+        chosen = (s + bias).gather(1, top.long())
+        assert bool((chosen >= kth - 1e-3).all()) and all(len(set(r.tolist())) == k for r in top)
+        ref_w = s.gather(1, top.long())
+        assert torch.allclose(wts, ref_w / ref_w.sum(-1, keepdim=True), rtol=1e-3, atol=1e-5)
+        counts = torch.bincount(top.reshape(-1).long(), minlength=experts)
+        assert torch.equal(grp.counts[:experts].long(), counts)
+        assert int(grp.counts[experts]) == int(((counts + per - 1) // per).sum())
+        for e in counts.nonzero().flatten().tolist():  # each expert's slot list: exactly its slots
+            listed = sorted(grp.slots[e, :counts[e]].tolist())
+            assert listed == (top.reshape(-1) == e).nonzero().flatten().tolist()
+
+        e_ids = top.reshape(-1).long()
+        tok = torch.arange(b * k, device="cuda") // k
+        h = torch.einsum("tk,tnk->tn", x.float()[tok], w13.float()[e_ids])
+        act_ref = situ(h[:, :inter], h[:, inter:], 4.0, 25.0)
         act = torch.full((b * k, inter), float("nan"), dtype=torch.bfloat16, device="cuda")
-        moe_experts.run_w13(ExpertKernelConfig(r13, w13w, u13), x, w13, act, top, wts, 4.0, 25.0)
+        moe_experts.run_w13(ExpertKernelConfig(r13, w13w, u13, l13), x, w13, act, wts, grp, 4.0, 25.0)
         out = torch.full((b * k, latent), float("nan"), device="cuda")
-        moe_experts.run_w2(ExpertKernelConfig(r2, w2w, u2), act, w2, out, top, wts)
+        moe_experts.run_w2(ExpertKernelConfig(r2, w2w, u2, l2), act, w2, out, wts, grp)
         normed = torch.full((b, latent), float("nan"), dtype=torch.bfloat16, device="cuda")
-        moe_experts.sum_norm(out, norm_w, normed, k, 1e-5)
+        moe_experts.sum_norm(out, norm_w, normed, k, 1e-5, grp)
         torch.cuda.synchronize()
-        assert ((act.float() - act_ref).norm() / act_ref.norm()).item() < 1e-2, (r13, w13w, u13)
-        out_ref = wts.reshape(-1, 1) * torch.einsum("tn,tkn->tk", act.float(), w2.float()[e])
-        assert ((out - out_ref).norm() / out_ref.norm()).item() < 1e-3, (r2, w2w, u2)
+        knob = (r13, w13w, u13, l13, r2, w2w, u2, l2, per)
+        assert ((act.float() - act_ref).norm() / act_ref.norm()).item() < 1e-2, knob
+        out_ref = wts.reshape(-1, 1) * torch.einsum("tn,tkn->tk", act.float(), w2.float()[e_ids])
+        assert ((out - out_ref).norm() / out_ref.norm()).item() < 1e-3, knob
         summed = out.view(b, k, latent).sum(1)
         norm_ref = summed * torch.rsqrt(summed.pow(2).mean(-1, keepdim=True) + 1e-5) * norm_w.float()
-        assert ((normed.float() - norm_ref).norm() / norm_ref.norm()).item() < 1e-2
+        assert ((normed.float() - norm_ref).norm() / norm_ref.norm()).item() < 1e-2, knob
+        assert int(grp.counts.abs().sum()) == 0, "sum_norm resets the groups for the next step"
+
+    grp = Groups.allocate(experts, b, k, 2, "cuda")
+    forced = torch.stack([torch.randperm(experts, device="cuda", generator=g)[:k] for _ in range(b)]).int()
+    top_f, wts_f = forced.clone(), torch.full((b, k), float("nan"), device="cuda")
+    moe_experts.route(y, bias, top_f, wts_f, k, 1.0, grp, forced=True)
+    ref_f = s.gather(1, forced.long())
+    assert torch.equal(top_f, forced) and torch.allclose(wts_f, ref_f / ref_f.sum(-1, keepdim=True), rtol=1e-3)
+    assert torch.equal(grp.counts[:experts].long(), torch.bincount(forced.reshape(-1).long(), minlength=experts))
+
     hs = torch.randn(b, 2 * inter, device="cuda", generator=g).to(torch.bfloat16) * 3
     sa = torch.full((b, inter), float("nan"), dtype=torch.bfloat16, device="cuda")
     moe_experts.situ_rows(hs, sa, 4.0, 25.0)
@@ -152,7 +169,7 @@ def test_tuned_bf16_block_runs_the_cute_expert_kernels():
 
     w = random_weights(K3, 16, device="cuda", seed=11)
     blk = MoEBlock.build(w, "tuned", batch=8, selector=Selector.load())
-    assert blk.ran["experts"].startswith("k3tune per-slot expert GEMVs (CuTe DSL)")
+    assert blk.ran["experts"].startswith("k3tune expert-grouped GEMVs (CuTe DSL)")
     assert blk.ran["routing"].startswith("k3tune route kernel")
     _check(blk, w, 8)
 
@@ -177,8 +194,8 @@ def test_measurer_times_the_block_families():
                                            ("inter", 192), ("shared_inter", 384), ("hidden", 7168),
                                            ("format", "bf16"), ("routing", "uniform")))
     be = GpuBackend()
-    tuned = {"w13_rows": 4, "w13_warps": 4, "w13_unroll": 4, "w2_rows": 16, "w2_warps": 1, "shared_sms": 16,
-             "prefetch_mib": 8}
+    tuned = {"w13_rows": 4, "w13_warps": 4, "w13_unroll": 2, "w2_rows": 8, "w2_warps": 2, "w2_unroll": 1,
+             "w2_lanes": 16, "group": 2, "shared_sms": 16, "prefetch_mib": 8}
     for fam, params in [("moe.stock", {}), ("moe.overlap", tuned)]:
         out = be.measure(Task(0, p, fam, params, 0, 5))
         assert out.status == "ok" and out.median_us > 0, (fam, out)

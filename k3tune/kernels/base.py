@@ -150,7 +150,13 @@ class KernelFamily:
         """Relative error bound (||out - ref|| / ||ref||) for bf16 outputs."""
         return 2e-2
 
+    depends_on: tuple[str, ...] = ()  # other modules whose source decides this family's results
+
     @cached_property
     def digest(self) -> str:
+        """The source of the family's module and of ``depends_on``: editing any of them invalidates results."""
+        import importlib
+
         src = inspect.getsource(inspect.getmodule(type(self)))
+        src += "".join(inspect.getsource(importlib.import_module(m)) for m in self.depends_on)
         return hashlib.sha256(src.encode()).hexdigest()[:16]

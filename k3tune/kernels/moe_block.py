@@ -60,6 +60,8 @@ class _BlockOnGpu:
     A deliberate exception to 'kernels know nothing of databases': a block's measured time must include
     the dense kernels it will be served with, and those come from the tuning database through the runtime
     selector; so measuring a block builds the runtime's executor (imported lazily, at measurement time)."""
+    depends_on = ("k3tune.kernels.moe_experts", "k3tune.kernels.l2_prefetch", "k3tune.runtime.moe",
+                  "k3tune.runtime.partition")
 
     def runs_on(self, problem: Problem, backend: str) -> bool:
         return backend != "gpu" or problem["format"] == "bf16"  # MXFP4 on a GPU: when its kernel lands
@@ -167,8 +169,11 @@ class MoeOverlapConfig(KernelConfig):
     w13_rows: int = 4
     w13_warps: int = 4
     w13_unroll: int = 4
-    w2_rows: int = 16
-    w2_warps: int = 1
+    w2_rows: int = 4
+    w2_warps: int = 4
+    w2_unroll: int = 1
+    w2_lanes: int = 8  # lanes sharing a w2 row (its K is 192-384: 24-48 vectors)
+    group: int = 1  # tokens of one expert per work item (its weight tile read once for them)
     shared_sms: int = 0
     prefetch_mib: int = 0
 
@@ -185,25 +190,36 @@ class MoeOverlap(_BlockOnGpu, KernelFamily):
         return {
             "w13_rows": (2, 4, 8),
             "w13_warps": (2, 4, 8),
-            "w13_unroll": (2, 4),
-            "w2_rows": (8, 16, 32),
-            "w2_warps": (1, 2),
+            "w13_unroll": (1, 2, 4),
+            "w2_rows": (2, 4, 8, 16),
+            "w2_warps": (1, 2, 4),
+            "w2_unroll": (1, 2),
+            "w2_lanes": (4, 8, 16, 32),
+            "group": (1, 2, 4, 8),
             "shared_sms": (0, 8, 16, 24, 32, 40, 48, 64),  # 64 of an H200's 132 is the even split
             "prefetch_mib": (0, 4, 8, 16, 32),
         }
 
     def valid(self, cfg: MoeOverlapConfig, problem: Problem) -> bool:
-        # registers of a lane's load batch (16-byte vectors = 4 registers): keep clear of spills
-        return 4 * 2 * cfg.w13_rows * cfg.w13_unroll <= 128 and 4 * cfg.w2_rows * 2 <= 128
+        # registers of a lane's load batch (16-byte vectors = 4 registers: weight rows and the item's tokens)
+        # and its accumulators (rows x tokens): keep clear of spills; an item never holds more than M tokens
+        p = cfg.group
+        return (p <= max(1, problem["M"]) and 4 * (2 * cfg.w13_rows + p) * cfg.w13_unroll <= 160
+                and 2 * cfg.w13_rows * p <= 64 and 4 * (cfg.w2_rows + p) * cfg.w2_unroll <= 160
+                and cfg.w2_rows * p <= 64)
 
     def default(self, problem: Problem) -> MoeOverlapConfig:
-        return MoeOverlapConfig(shared_sms=16)
+        from k3tune.kernels.moe_experts import default_config
+
+        c13, c2, per = default_config(problem["M"])
+        return MoeOverlapConfig(c13.rows, c13.warps, c13.unroll, c2.rows, c2.warps, c2.unroll, c2.lanes, per,
+                                shared_sms=16)
 
     def block_knobs(self, cfg: MoeOverlapConfig) -> dict:
         from k3tune.kernels.moe_experts import ExpertKernelConfig
 
         return {"experts_cfg": (ExpertKernelConfig(cfg.w13_rows, cfg.w13_warps, cfg.w13_unroll),
-                                ExpertKernelConfig(cfg.w2_rows, cfg.w2_warps, 2)),
+                                ExpertKernelConfig(cfg.w2_rows, cfg.w2_warps, cfg.w2_unroll, cfg.w2_lanes), cfg.group),
                 "shared_stream": _partition(cfg.shared_sms) if cfg.shared_sms else None,
                 "prefetch_mib": cfg.prefetch_mib}
 

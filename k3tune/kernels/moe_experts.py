@@ -1,21 +1,26 @@
-"""The routed-expert part of K3's decode MoE block as three CuTe DSL kernels (bf16 weights, fp32 math), so
-that the tuned block's critical path is a handful of launches instead of dozens of torch ops:
+"""The routed-expert part of K3's decode MoE block as CuTe DSL kernels (bf16 weights, fp32 math), so that
+the tuned block's critical path is a handful of launches instead of dozens of torch ops:
 
 ``route``: one warp per token: sigmoid of the router scores, top-k of score + correction bias (k rounds of
 a warp argmax, ties to the lower expert id), weights = the chosen sigmoid scores renormalised x scaling.
-``w13`` (+ SiTU): CTA (slot, j) for slot = token x k + choice: the j-th tile of ``rows`` intermediate rows of
-the chosen expert, gate and up rows read once; act[slot, r] = situ(x . gate_r, x . up_r) (bf16).
-``w2``: CTA (slot, j): the j-th tile of ``rows`` latent rows; out[slot, r] = weight[slot] * act[slot] . w2_r.
-``sum_norm``: one CTA per token: the token's k slots summed in slot order (deterministic), times ``scale``
-(where an emulated all-reduce lands), RMSNorm with the latent norm's weight, bf16 out.
+The same launch groups the slots by expert (``Groups``): lane j of token b appends slot b x k + j to its
+expert's slot list (an atomic per expert) and, every ``per`` slots of an expert, one work item
+(expert, first slot) to the item list. No sort, no host sync, static shapes: the block captures in a graph.
+``w13`` (+ SiTU): CTA (i, j) takes work items i, i + grid, ...: item (e, t0) is up to ``per`` tokens of
+expert e; the j-th tile of ``rows`` intermediate rows of e is read once for all of them;
+act[slot, r] = situ(x_tok . gate_r, x_tok . up_r) (bf16).
+``w2``: the same over latent rows: out[slot, r] = weight[slot] * act[slot] . w2_r (fp32, one row per slot).
+``sum_norm``: one CTA per token: the token's k slots summed in slot order (deterministic: the grouping
+order never reaches the numbers), RMSNorm with the latent norm's weight, bf16 out; CTA 0 also resets the
+group counters, so the next step (or graph replay) starts from zero.
 
-One CTA per (token, choice) needs no per-expert token lists (no sort, no data-dependent shapes: the block
-captures in a CUDA graph); an expert chosen by several tokens is read once per token, from L2 when those
-CTAs run together (at decode most experts are chosen once: batch 64 x top-16 touches ~620 of 896).
+Grouping by expert matters once tokens share experts: at batch 64 with skewed routing ~280 experts serve
+1024 slots, and a kernel per (token, choice) would read each of them ~3.6 times.
 
 Inside a GEMV CTA the warps stride over K in 16-byte vectors (``ld.global.nc.v4`` for weights); a lane
-loads ``unroll`` vectors of every row before its FMAs (no branch between a load and its use: the K tail is
-masked arithmetically); lanes reduce with shuffles, warps through shared memory.
+loads ``unroll`` vectors of every row and of every token of the item before its FMAs (no branch between a
+load and its use: the K tail and missing tokens are masked arithmetically / by clamped indices); lanes
+reduce with shuffles, warps through shared memory.
 
 Status: compiled on the CPU for sm_90a and sm_100a (tests/test_kernel_compile.py); numerics checked on a GPU
 by tests/test_gpu_moe.py.
@@ -28,11 +33,46 @@ from dataclasses import dataclass
 VEC = 8
 
 
+ITEM_SHIFT = 16  # a work item is expert << 16 | first position in the expert's slot list
+
+
 @dataclass(frozen=True)
 class ExpertKernelConfig:
-    rows: int = 4  # intermediate (w13) or latent (w2) rows per CTA
+    rows: int = 4  # intermediate (w13) or latent (w2) rows per group of lanes
     warps: int = 4
     unroll: int = 4  # 16-byte vectors per row a lane loads before its FMAs
+    lanes: int = 32  # lanes sharing a row's K: 32 = warps split K too; 8/16 = each group its own rows
+
+
+def default_config(tokens: int) -> tuple:
+    """The expert kernels' knobs where no tuned choice gives them: (w13 config, w2 config, tokens per item).
+    Up to 4 tokens per step experts are rarely shared: one slot per item, the widest load batch; beyond,
+    items of up to 4 tokens read an expert's tile once for all of them (w2's K is short: 192-384)."""
+    if tokens <= 4:
+        return ExpertKernelConfig(4, 4, 4), ExpertKernelConfig(4, 4, 1, 8), 1
+    return ExpertKernelConfig(4, 4, 2), ExpertKernelConfig(4, 4, 1, 8), 2
+
+
+@dataclass(frozen=True)
+class Groups:
+    """Slots grouped by expert, filled by ``route`` and reset by ``sum_norm``. counts[e]: slots of expert e
+    (counts[E]: work items); slots[e, :counts[e]]: their slot ids; items[:counts[E]]: work items of at most
+    ``per`` slots of one expert."""
+    counts: object  # int32 [E + 1], zero between steps
+    items: object  # int32 [tokens x k]
+    slots: object  # int32 [E, tokens + per - 1]: only valid slot ids, ever
+    per: int
+
+    @classmethod
+    def allocate(cls, experts: int, tokens: int, top_k: int, per: int, device) -> "Groups":
+        import torch
+
+        from k3tune.errors import ConfigError
+
+        if experts >= 1 << (31 - ITEM_SHIFT) or tokens >= 1 << ITEM_SHIFT or per < 1:
+            raise ConfigError(f"expert groups: {experts} experts, {tokens} tokens, {per} per item out of range")
+        z = functools.partial(torch.zeros, dtype=torch.int32, device=device)
+        return cls(z(experts + 1), z(tokens * top_k), z(experts, tokens + per - 1), per)  # spare: see w13
 
 
 def current_arch() -> str:
@@ -53,29 +93,34 @@ def _fake_args(kind: str, arch: str):
     b, k, t = cute.sym_int(), cute.sym_int(), cute.sym_int()
     top = fake(Int32, (b, k), stride_order=(1, 0), assumed_align=4)
     wt = fake(Float32, (b, k), stride_order=(1, 0), assumed_align=4)
+    e1, s = cute.sym_int(), cute.sym_int()
+    groups = (fake(Int32, (e1,), assumed_align=4), fake(Int32, (s,), assumed_align=4),
+              fake(Int32, (cute.sym_int(), cute.sym_int()), stride_order=(1, 0), assumed_align=4))
     if kind == "route":
         y = fake(BFloat16, (b, cute.sym_int()), stride_order=(1, 0), assumed_align=2)
-        return y, fake(Float32, (cute.sym_int(),), assumed_align=4), top, wt
+        return (y, fake(Float32, (cute.sym_int(),), assumed_align=4), top, wt, *groups)
     if kind == "situ":
         return (fake(BFloat16, (b, cute.sym_int()), stride_order=(1, 0), assumed_align=2),
                 fake(BFloat16, (b, cute.sym_int()), stride_order=(1, 0), assumed_align=2))
     if kind == "sum_norm":
-        return (fake(Float32, (t, cute.sym_int(divisibility=4)), stride_order=(1, 0), assumed_align=16),
+        n4 = cute.sym_int(divisibility=4)
+        return (fake(Float32, (t, n4), stride_order=(1, 0), assumed_align=16),
                 fake(BFloat16, (cute.sym_int(),), assumed_align=2),
-                fake(BFloat16, (b, cute.sym_int()), stride_order=(1, 0), assumed_align=2))
+                fake(BFloat16, (b, cute.sym_int()), stride_order=(1, 0), assumed_align=2), groups[0])
     n, kk = cute.sym_int(), cute.sym_int(divisibility=VEC)
     x = fake(BFloat16, (cute.sym_int(), kk), stride_order=(1, 0), assumed_align=16)
     w = fake(BFloat16, (cute.sym_int(), n, kk), stride_order=(2, 1, 0), assumed_align=16)
     out = (fake(BFloat16, (t, cute.sym_int()), stride_order=(1, 0), assumed_align=2) if kind == "w13"
            else fake(Float32, (t, n), stride_order=(1, 0), assumed_align=4))
-    return x, w, out, top, wt
+    return x, w, out, wt, *groups
 
 
 @functools.cache
 def compiled(kind: str, knobs: tuple, arch: str):
     """One compile per kernel kind, knob tuple and arch; batch, widths and expert counts are dynamic.
-    knobs: w13 (rows, warps, unroll, beta, linear_beta); w2 (rows, warps, unroll); route (experts, top_k,
-    scaling, forced); sum_norm (top_k, eps); situ (beta, linear_beta). Never call inside a capture."""
+    knobs: w13 (rows, warps, unroll, lanes, per, beta, linear_beta); w2 (rows, warps, unroll, lanes, per); route (experts,
+    top_k, scaling, forced, per); sum_norm (top_k, eps, vectors per thread); situ (beta, linear_beta). Never
+    call inside a capture."""
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream
 
@@ -84,35 +129,62 @@ def compiled(kind: str, knobs: tuple, arch: str):
     return cute.compile(kern, *_fake_args(kind, arch), make_fake_stream(), options=f"--gpu-arch {arch}")
 
 
-def route(scores_and_latent, bias, top, weights, top_k: int, scaling: float, forced: bool = False, stream=None):
-    """top [B, k] int32, weights [B, k] fp32 from the router scores (the first len(bias) columns).
+def route(scores_and_latent, bias, top, weights, top_k: int, scaling: float, groups: Groups,
+          forced: bool = False, stream=None):
+    """top [B, k] int32, weights [B, k] fp32 from the router scores (the first len(bias) columns), and the
+    slots grouped by expert into ``groups`` (which must be reset: fresh, or after ``sum_norm``).
     ``forced``: ``top`` already holds the experts (an imposed routing, for measurement); only the weights
-    are computed, in the same single launch."""
+    and the groups are computed, in the same single launch."""
     from k3tune.errors import ConfigError
 
     if not 0 < top_k <= 32:
         raise ConfigError(f"the route kernel keeps one choice per lane of a warp: top_k {top_k} is not in 1..32")
-    fn = compiled("route", (bias.shape[0], top_k, float(scaling), forced), current_arch())
-    fn(_t(scores_and_latent, 2), _t(bias, 4), _t(top, 4), _t(weights, 4), _stream(stream))
+    fn = compiled("route", (bias.shape[0], top_k, float(scaling), forced, groups.per), current_arch())
+    fn(_t(scores_and_latent, 2), _t(bias, 4), _t(top, 4), _t(weights, 4), *_groups(groups), _stream(stream))
 
 
-def run_w13(cfg: ExpertKernelConfig, latent, w13, act, top, weights, beta: float, linear_beta: float, stream=None):
-    """act[slot, :I] = situ(latent[token] . gate rows, latent[token] . up rows) for slot = token x k + choice."""
-    fn = compiled("w13", (cfg.rows, cfg.warps, cfg.unroll, float(beta), float(linear_beta)), current_arch())
-    fn(_t(latent, 16), _t(w13, 16), _t(act, 2), _t(top, 4), _t(weights, 4), _stream(stream))
+def run_w13(cfg: ExpertKernelConfig, latent, w13, act, weights, groups: Groups, beta: float, linear_beta: float,
+            stream=None):
+    """act[slot, :I] = situ(latent[token] . gate rows, latent[token] . up rows) for slot = token x k + choice,
+    over the work items of ``groups``."""
+    _check(cfg, groups)
+    fn = compiled("w13", (cfg.rows, cfg.warps, cfg.unroll, cfg.lanes, groups.per, float(beta), float(linear_beta)),
+                  current_arch())
+    fn(_t(latent, 16), _t(w13, 16), _t(act, 2), _t(weights, 4), *_groups(groups), _stream(stream))
 
 
-def run_w2(cfg: ExpertKernelConfig, act, w2, out, top, weights, stream=None):
-    """out[slot, :L] = weight[slot] * act[slot] . w2 rows (fp32)."""
-    fn = compiled("w2", (cfg.rows, cfg.warps, cfg.unroll), current_arch())
-    fn(_t(act, 16), _t(w2, 16), _t(out, 4), _t(top, 4), _t(weights, 4), _stream(stream))
+def run_w2(cfg: ExpertKernelConfig, act, w2, out, weights, groups: Groups, stream=None):
+    """out[slot, :L] = weight[slot] * act[slot] . w2 rows (fp32), over the work items of ``groups``."""
+    _check(cfg, groups)
+    fn = compiled("w2", (cfg.rows, cfg.warps, cfg.unroll, cfg.lanes, groups.per), current_arch())
+    fn(_t(act, 16), _t(w2, 16), _t(out, 4), _t(weights, 4), *_groups(groups), _stream(stream))
 
 
-def sum_norm(per_slot, norm_weight, out, top_k: int, eps: float, stream=None):
-    """out[b] = RMSNorm(sum_j per_slot[b k + j]) x norm_weight, bf16. RMSNorm(c x) = x / sqrt(mean(x^2) +
-    eps / c^2): a caller whose sum is all-reduced by c identical ranks passes eps / c^2."""
-    fn = compiled("sum_norm", (top_k, float(eps)), current_arch())
-    fn(_t(per_slot, 16), _t(norm_weight, 2), _t(out, 2), _stream(stream))
+def _check(cfg: ExpertKernelConfig, groups: Groups):
+    from k3tune.errors import ConfigError
+
+    def pow2(v):
+        return v > 0 and v & (v - 1) == 0
+
+    if not (pow2(cfg.rows) and pow2(groups.per) and cfg.lanes in (4, 8, 16, 32) and cfg.warps in (1, 2, 4, 8)):
+        raise ConfigError(f"expert kernel {cfg} with {groups.per} tokens per item: rows and tokens per item must "
+                          "be powers of two, lanes 4/8/16/32, warps 1/2/4/8")
+
+
+SUM_NORM_THREADS = 512
+
+
+def sum_norm(per_slot, norm_weight, out, top_k: int, eps: float, groups: Groups, stream=None):
+    """out[b] = RMSNorm(sum_j per_slot[b k + j]) x norm_weight, bf16; resets ``groups`` for the next step.
+    RMSNorm(c x) = x / sqrt(mean(x^2) + eps / c^2): a caller whose sum is all-reduced by c identical ranks
+    passes eps / c^2. The row width must be a multiple of 4 (16-byte vectors)."""
+    from k3tune.errors import ConfigError
+
+    if per_slot.shape[1] % 4:
+        raise ConfigError(f"sum_norm reads 16-byte vectors: width {per_slot.shape[1]} is not a multiple of 4")
+    per = -(-per_slot.shape[1] // (4 * SUM_NORM_THREADS))
+    fn = compiled("sum_norm", (top_k, float(eps), per), current_arch())
+    fn(_t(per_slot, 16), _t(norm_weight, 2), _t(out, 2), _t(groups.counts, 4), _stream(stream))
 
 
 def situ_rows(h, out, beta: float, linear_beta: float, stream=None):
@@ -125,6 +197,10 @@ def _t(x, align: int):
     from cutlass.cute.runtime import from_dlpack
 
     return from_dlpack(x, assumed_align=align).mark_layout_dynamic(leading_dim=x.dim() - 1)
+
+
+def _groups(g: Groups):
+    return _t(g.counts, 4), _t(g.items, 4), _t(g.slots, 4)
 
 
 def _stream(stream):
@@ -142,178 +218,248 @@ def _kernel_classes():
     from cutlass import BFloat16, Float32, Int32
 
     class ExpertGemv:
-        def __init__(self, which, rows, warps, unroll, beta=0.0, linear_beta=0.0):
+        def __init__(self, which, rows, warps, unroll, lanes, per, beta=0.0, linear_beta=0.0):
             self.w13 = which == "w13"
-            self.rows, self.warps, self.unroll = rows, warps, unroll
+            self.rows, self.warps, self.unroll, self.lanes, self.per = rows, warps, unroll, lanes, per
             self.beta, self.lin = beta, linear_beta
-            self.nrows = 2 * rows if self.w13 else rows  # weight rows a CTA reads: gate + up for w13
+            self.nrows = 2 * rows if self.w13 else rows  # weight rows a group reads: gate + up for w13
+            # lanes == 32: the CTA's warps split K and reduce through shared memory; fewer: each group of
+            # ``lanes`` lanes owns ``rows`` rows of its own (short K: w2's 192-384)
+            self.groups = 1 if lanes == 32 else warps * (32 // lanes)
+            self.ksplit = warps if lanes == 32 else 1
+            self.cta_rows = rows * self.groups
 
         @cute.jit
-        def __call__(self, mX: cute.Tensor, mW: cute.Tensor, mOut: cute.Tensor, mTop: cute.Tensor,
-                     mWt: cute.Tensor, stream: cuda.CUstream):
-            slots = mTop.shape[0] * mTop.shape[1]
+        def __call__(self, mX: cute.Tensor, mW: cute.Tensor, mOut: cute.Tensor, mWt: cute.Tensor,
+                     mCnt: cute.Tensor, mItems: cute.Tensor, mSlots: cute.Tensor, stream: cuda.CUstream):
             out_rows = mW.shape[1] // 2 if cutlass.const_expr(self.w13) else mW.shape[1]
-            self.kernel(mX, mW, mOut, mTop, mWt).launch(
-                grid=(slots, (out_rows + self.rows - 1) // self.rows, 1), block=(self.warps * 32, 1, 1),
-                stream=stream)
+            tiles = (out_rows + self.cta_rows - 1) // self.cta_rows
+            # at most one item per slot; past ~32k CTAs, CTAs loop over items instead of idling
+            ctas = cutlass.min(mItems.shape[0], cutlass.max(8, 32768 // tiles))
+            self.kernel(mX, mW, mOut, mWt, mCnt, mItems, mSlots).launch(
+                grid=(ctas, tiles, 1), block=(self.warps * 32, 1, 1), stream=stream)
 
         @cute.kernel
-        def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mOut: cute.Tensor, mTop: cute.Tensor, mWt: cute.Tensor):
-            R, NR, W, U = self.rows, self.nrows, self.warps, self.unroll
+        def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mOut: cute.Tensor, mWt: cute.Tensor,
+                   mCnt: cute.Tensor, mItems: cute.Tensor, mSlots: cute.Tensor):
+            R, NR, W, U, P, L = self.rows, self.nrows, self.warps, self.unroll, self.per, self.lanes
+            G, KW, CR = self.groups, self.ksplit, self.cta_rows
             tidx, _, _ = cute.arch.thread_idx()
-            slot, bidy, _ = cute.arch.block_idx()
+            bidx, bidy, _ = cute.arch.block_idx()
+            gdx, _, _ = cute.arch.grid_dim()
             warp = tidx // 32
             lane = tidx % 32
-            k = mTop.shape[1]
-            tok = slot // k
-            e = mTop[tok, slot % k]
+            sub = lane % L
+            grp = 0 if cutlass.const_expr(L == 32) else tidx // L  # this group's rows: grp * R ...
+            kbase = warp * 32 * U + lane if cutlass.const_expr(L == 32) else sub
+            kw = warp if cutlass.const_expr(L == 32) else 0
+            k = mWt.shape[1]
+            n_experts = mCnt.shape[0] - 1
             half = mW.shape[1] // 2
             out_rows = half if cutlass.const_expr(self.w13) else mW.shape[1]
             nvec = mW.shape[2] // VEC
-            xrow = tok if cutlass.const_expr(self.w13) else slot
-            gW = cute.zipped_divide(mW[e, None, None], (1, VEC))
             gX = cute.zipped_divide(mX, (1, VEC))
             w_atom = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), BFloat16, num_bits_per_copy=128, invariant=True)
             x_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
+            smem = cutlass.utils.SmemAllocator()
+            red = smem.allocate_tensor(Float32, cute.make_layout((KW, G, NR * P)), 16)
             wrow = []
             for r in cutlass.range_constexpr(NR):  # gate rows, then (w13) the matching up rows
-                base = cutlass.min(bidy * R + (r % R), out_rows - 1)
+                base = cutlass.min(bidy * CR + grp * R + (r % R), out_rows - 1)
                 wrow.append(base + half if cutlass.const_expr(self.w13 and r >= R) else base)
-            acc = cute.make_rmem_tensor(cute.make_layout(NR), Float32)
-            acc.fill(0.0)
-            rw = cute.make_rmem_tensor(cute.make_layout((VEC, NR, U)), BFloat16)
-            rx = cute.make_rmem_tensor(cute.make_layout((VEC, U)), BFloat16)
-            for v0 in cutlass.range(warp * 32 * U + lane, nvec, W * 32 * U):
-                for u in cutlass.range_constexpr(U):  # every load of the batch first
-                    v = cutlass.min(v0 + u * 32, nvec - 1)
-                    for r in cutlass.range_constexpr(NR):
-                        cute.copy(w_atom, gW[(None, (wrow[r], v))], rw[None, r, u])
-                    cute.copy(x_atom, gX[(None, (xrow, v))], rx[None, u])
-                for u in cutlass.range_constexpr(U):
-                    keep = cutlass.max(cutlass.min(nvec - (v0 + u * 32), 1), 0).to(Float32)
-                    xv = rx[None, u].load().to(Float32)
-                    for r in cutlass.range_constexpr(NR):
-                        wv = rw[None, r, u].load().to(Float32)
-                        a = Float32(0.0)
-                        for j in cutlass.range_constexpr(VEC):
-                            a = a + wv[j] * xv[j]
-                        acc[r] = acc[r] + a * keep
-            smem = cutlass.utils.SmemAllocator()
-            red = smem.allocate_tensor(Float32, cute.make_layout((W, NR)), 16)
-            for r in cutlass.range_constexpr(NR):
-                val = cute.arch.warp_reduction_sum(acc[r])
-                if lane == 0:
-                    red[warp, r] = val
-            cute.arch.sync_threads()
-            if tidx < R:
-                row = bidy * R + tidx
-                if row < out_rows:
-                    s = Float32(0.0)
-                    for wi in cutlass.range_constexpr(W):
-                        s = s + red[wi, tidx]
-                    if cutlass.const_expr(self.w13):
-                        up = Float32(0.0)
-                        for wi in cutlass.range_constexpr(W):
-                            up = up + red[wi, R + tidx]
-                        up = cutlass.max(cutlass.min(up, Float32(self.lin)), Float32(-self.lin))
-                        gate_sig = Float32(1.0) / (Float32(1.0) + cute.math.exp(-Float32(self.beta) * s))
-                        mOut[slot, row] = (s * gate_sig * up).to(BFloat16)
-                    else:
-                        mOut[slot, row] = s * mWt[tok, slot % k]
+            n = NR * P  # values a lane accumulates, reduced over the group's lanes below
+            chunk = min(n, L)
+            halvings = tuple(chunk >> i for i in range(1, chunk.bit_length()))  # chunk/2, ..., 1
+            folds = tuple(chunk << i for i in range(32) if chunk << i < L)  # chunk, 2 chunk, ... < lanes
+            for it in cutlass.range(bidx, mCnt[n_experts], gdx):
+                code = mItems[it]
+                e = code >> ITEM_SHIFT
+                t0 = code & ((1 << ITEM_SHIFT) - 1)
+                gW = cute.zipped_divide(mW[e, None, None], (1, VEC))
+                xrow = []
+                for t in cutlass.range_constexpr(P):  # past the item's tokens: a stale but valid slot id
+                    sl = mSlots[e, t0 + t]  # (the list has P - 1 spare columns), its result dropped below
+                    xrow.append(sl // k if cutlass.const_expr(self.w13) else sl)
+                ntok = mCnt[e] - t0  # this item's tokens: min(ntok, P); needed only when storing
+                acc = cute.make_rmem_tensor(cute.make_layout(n), Float32)  # index r * P + t
+                acc.fill(0.0)
+                rw = cute.make_rmem_tensor(cute.make_layout((VEC, NR, U)), BFloat16)
+                rx = cute.make_rmem_tensor(cute.make_layout((VEC, P, U)), BFloat16)
+                for v0 in cutlass.range(kbase, nvec, KW * L * U):
+                    for u in cutlass.range_constexpr(U):  # every load of the batch first, weights (which
+                        v = cutlass.min(v0 + u * L, nvec - 1)  # need only the expert) before activations
+                        for r in cutlass.range_constexpr(NR):
+                            cute.copy(w_atom, gW[(None, (wrow[r], v))], rw[None, r, u])
+                    for u in cutlass.range_constexpr(U):
+                        v = cutlass.min(v0 + u * L, nvec - 1)
+                        for t in cutlass.range_constexpr(P):
+                            cute.copy(x_atom, gX[(None, (xrow[t], v))], rx[None, t, u])
+                    for u in cutlass.range_constexpr(U):
+                        keep = cutlass.max(cutlass.min(nvec - (v0 + u * L), 1), 0).to(Float32)
+                        xs = []
+                        for t in cutlass.range_constexpr(P):
+                            xs.append(rx[None, t, u].load().to(Float32))
+                        for r in cutlass.range_constexpr(NR):
+                            wv = rw[None, r, u].load().to(Float32)  # converted once for all tokens
+                            for t in cutlass.range_constexpr(P):
+                                a = Float32(0.0)
+                                for j in cutlass.range_constexpr(VEC):
+                                    a = a + wv[j] * xs[t][j]
+                                acc[r * P + t] = acc[r * P + t] + a * keep
+                # reduce over the group's lanes, ``chunk`` values at a time: halving exchanges leave lane
+                # ``sub`` with value sub % chunk of the chunk (n - 1 shuffles instead of 5 per value)
+                for c0 in cutlass.range_constexpr(0, n, chunk):
+                    for hs in cutlass.range_constexpr(len(halvings)):
+                        h = halvings[hs]
+                        upper = (sub & h) != 0
+                        for i in cutlass.range_constexpr(h):
+                            lo, hi = acc[c0 + i], acc[c0 + i + h]
+                            send = Float32(cutlass.select_(upper, lo, hi))
+                            keep_v = Float32(cutlass.select_(upper, hi, lo))
+                            acc[c0 + i] = keep_v + cute.arch.shuffle_sync_bfly(send, offset=h)
+                    for os_ in cutlass.range_constexpr(len(folds)):
+                        acc[c0] = acc[c0] + cute.arch.shuffle_sync_bfly(acc[c0], offset=folds[os_])
+                    if sub < chunk:
+                        red[kw, grp, c0 + sub] = acc[c0]
+                cute.arch.sync_threads()
+                for q0 in cutlass.range_constexpr(0, CR * P, W * 32):
+                    q = q0 + tidx  # q = (g * R + r) * P + t
+                    t = q % P
+                    rr = (q // P) % R
+                    g = q // (P * R)
+                    row = bidy * CR + g * R + rr
+                    if q < CR * P and t < ntok and row < out_rows:
+                        slot = mSlots[e, t0 + t]
+                        s = Float32(0.0)
+                        for wi in cutlass.range_constexpr(KW):
+                            s = s + red[wi, g, rr * P + t]
+                        if cutlass.const_expr(self.w13):
+                            up = Float32(0.0)
+                            for wi in cutlass.range_constexpr(KW):
+                                up = up + red[wi, g, (R + rr) * P + t]
+                            up = cutlass.max(cutlass.min(up, Float32(self.lin)), Float32(-self.lin))
+                            gate_sig = Float32(1.0) / (Float32(1.0) + cute.math.exp(-Float32(self.beta) * s))
+                            mOut[slot, row] = (s * gate_sig * up).to(BFloat16)
+                        else:
+                            mOut[slot, row] = s * mWt[slot // k, slot % k]
+                cute.arch.sync_threads()  # red is reused by the next item
 
     class Route:
-        def __init__(self, experts, top_k, scaling, forced=False):
-            self.E, self.K, self.scaling, self.forced = experts, top_k, scaling, forced
+        def __init__(self, experts, top_k, scaling, forced=False, per=1):
+            self.E, self.K, self.scaling, self.forced, self.per_item = experts, top_k, scaling, forced, per
             self.per = (experts + 31) // 32
 
         @cute.jit
         def __call__(self, mY: cute.Tensor, mBias: cute.Tensor, mTop: cute.Tensor, mWt: cute.Tensor,
-                     stream: cuda.CUstream):
-            self.kernel(mY, mBias, mTop, mWt).launch(grid=(mTop.shape[0], 1, 1), block=(32, 1, 1), stream=stream)
+                     mCnt: cute.Tensor, mItems: cute.Tensor, mSlots: cute.Tensor, stream: cuda.CUstream):
+            self.kernel(mY, mBias, mTop, mWt, mCnt, mItems, mSlots).launch(
+                grid=(mTop.shape[0], 1, 1), block=(32, 1, 1), stream=stream)
 
         @cute.kernel
-        def kernel(self, mY: cute.Tensor, mBias: cute.Tensor, mTop: cute.Tensor, mWt: cute.Tensor):
+        def kernel(self, mY: cute.Tensor, mBias: cute.Tensor, mTop: cute.Tensor, mWt: cute.Tensor,
+                   mCnt: cute.Tensor, mItems: cute.Tensor, mSlots: cute.Tensor):
             lane, _, _ = cute.arch.thread_idx()
             b, _, _ = cute.arch.block_idx()
-            if cutlass.const_expr(self.forced):
-                s = Float32(0.0)
-                if lane < self.K:
-                    s = Float32(1.0) / (Float32(1.0) + cute.math.exp(-mY[b, mTop[b, lane]].to(Float32)))
-                total_f = cute.arch.warp_reduction_sum(s)
-                if lane < self.K:
-                    mWt[b, lane] = s * (Float32(self.scaling) / total_f)
-                return
-            vals = cute.make_rmem_tensor(cute.make_layout(self.per), Float32)
-            sig = cute.make_rmem_tensor(cute.make_layout(self.per), Float32)
-            for i in cutlass.range_constexpr(self.per):
-                e = cutlass.min(lane + 32 * i, self.E - 1)
-                s = Float32(1.0) / (Float32(1.0) + cute.math.exp(-mY[b, e].to(Float32)))
-                inside = cutlass.min(self.E - (lane + 32 * i), 1)  # 1 for a real expert, <= 0 past the end
-                sig[i] = s
-                vals[i] = s + mBias[e] if cutlass.const_expr(32 * (i + 1) <= self.E) else \
-                    Float32(cutlass.select_(inside > 0, s + mBias[e], Float32(NEG)))
-            total = Float32(0.0)
             my_w = Float32(0.0)  # lane r keeps the r-th choice: no lane reads another lane's stores
             my_id = Int32(0)
-            for r in cutlass.range_constexpr(self.K):
-                best = Float32(NEG)
+            total = Float32(0.0)
+            if cutlass.const_expr(self.forced):
+                if lane < self.K:
+                    my_id = mTop[b, lane]
+                    my_w = Float32(1.0) / (Float32(1.0) + cute.math.exp(-mY[b, my_id].to(Float32)))
+                total = cute.arch.warp_reduction_sum(my_w)
+            else:
+                vals = cute.make_rmem_tensor(cute.make_layout(self.per), Float32)
+                sig = cute.make_rmem_tensor(cute.make_layout(self.per), Float32)
                 for i in cutlass.range_constexpr(self.per):
-                    best = cute.arch.fmax(best, vals[i])
-                best = cute.arch.warp_reduction_max(best)
-                idx = Int32(1 << 30)
-                for i in cutlass.range_constexpr(self.per):  # the lowest expert id holding the best score
-                    idx = cutlass.min(idx, Int32(cutlass.select_(vals[i] == best, lane + 32 * i, Int32(1 << 30))))
-                idx = cute.arch.warp_reduction(idx, lambda x, y: cutlass.min(x, y))
-                chosen = Float32(0.0)
-                for i in cutlass.range_constexpr(self.per):
-                    hit = lane + 32 * i == idx
-                    chosen = chosen + Float32(cutlass.select_(hit, sig[i], Float32(0.0)))
-                    vals[i] = Float32(cutlass.select_(hit, Float32(NEG), vals[i]))
-                chosen = cute.arch.warp_reduction_sum(chosen)
-                total = total + chosen
-                my_w = Float32(cutlass.select_(lane == r, chosen, my_w))
-                my_id = Int32(cutlass.select_(lane == r, idx, my_id))
+                    e = cutlass.min(lane + 32 * i, self.E - 1)
+                    s = Float32(1.0) / (Float32(1.0) + cute.math.exp(-mY[b, e].to(Float32)))
+                    inside = cutlass.min(self.E - (lane + 32 * i), 1)  # 1 for a real expert, <= 0 past the end
+                    sig[i] = s
+                    vals[i] = s + mBias[e] if cutlass.const_expr(32 * (i + 1) <= self.E) else \
+                        Float32(cutlass.select_(inside > 0, s + mBias[e], Float32(NEG)))
+                for r in cutlass.range_constexpr(self.K):
+                    best = Float32(NEG)
+                    for i in cutlass.range_constexpr(self.per):
+                        best = cute.arch.fmax(best, vals[i])
+                    best = cute.arch.warp_reduction_max(best)
+                    idx = Int32(1 << 30)
+                    for i in cutlass.range_constexpr(self.per):  # the lowest expert id holding the best score
+                        idx = cutlass.min(idx, Int32(cutlass.select_(vals[i] == best, lane + 32 * i, Int32(1 << 30))))
+                    idx = cute.arch.warp_reduction(idx, lambda x, y: cutlass.min(x, y))
+                    chosen = Float32(0.0)
+                    for i in cutlass.range_constexpr(self.per):
+                        hit = lane + 32 * i == idx
+                        chosen = chosen + Float32(cutlass.select_(hit, sig[i], Float32(0.0)))
+                        vals[i] = Float32(cutlass.select_(hit, Float32(NEG), vals[i]))
+                    chosen = cute.arch.warp_reduction_sum(chosen)
+                    total = total + chosen
+                    my_w = Float32(cutlass.select_(lane == r, chosen, my_w))
+                    my_id = Int32(cutlass.select_(lane == r, idx, my_id))
             if lane < self.K:
-                mTop[b, lane] = my_id
+                if cutlass.const_expr(not self.forced):
+                    mTop[b, lane] = my_id
                 mWt[b, lane] = my_w * (Float32(self.scaling) / total)
+                # group the slot under its expert; every per_item-th slot of an expert opens a work item
+                pos = cute.arch.atomic_add(mCnt.iterator + my_id, Int32(1))
+                mSlots[my_id, pos] = b * self.K + lane
+                if pos % self.per_item == 0:
+                    at = cute.arch.atomic_add(mCnt.iterator + self.E, Int32(1))
+                    mItems[at] = (my_id << ITEM_SHIFT) | pos
 
     class SumNorm:
-        THREADS = 256
+        THREADS = SUM_NORM_THREADS
 
-        def __init__(self, top_k, eps):
-            self.K, self.eps = top_k, eps
+        def __init__(self, top_k, eps, per):
+            self.K, self.eps, self.per = top_k, eps, per
 
         @cute.jit
-        def __call__(self, mP: cute.Tensor, mG: cute.Tensor, mOut: cute.Tensor, stream: cuda.CUstream):
-            self.kernel(mP, mG, mOut).launch(grid=(mOut.shape[0], 1, 1), block=(self.THREADS, 1, 1), stream=stream)
+        def __call__(self, mP: cute.Tensor, mG: cute.Tensor, mOut: cute.Tensor, mCnt: cute.Tensor,
+                     stream: cuda.CUstream):
+            self.kernel(mP, mG, mOut, mCnt).launch(grid=(mOut.shape[0], 1, 1), block=(self.THREADS, 1, 1),
+                                                   stream=stream)
 
         @cute.kernel
-        def kernel(self, mP: cute.Tensor, mG: cute.Tensor, mOut: cute.Tensor):
-            T = self.THREADS
+        def kernel(self, mP: cute.Tensor, mG: cute.Tensor, mOut: cute.Tensor, mCnt: cute.Tensor):
+            T, K, PER = self.THREADS, self.K, self.per
             tidx, _, _ = cute.arch.thread_idx()
             b, _, _ = cute.arch.block_idx()
             n = mOut.shape[1]
+            nv = n // 4
+            gP = cute.zipped_divide(mP, (1, 4))
+            atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128)
+            sums = cute.make_rmem_tensor(cute.make_layout((4, PER)), Float32)
+            sums.fill(0.0)
             sq = Float32(0.0)
-            for c in cutlass.range(tidx, n, T):  # first pass: the sum over slots, and its square
-                s = Float32(0.0)
-                for j in cutlass.range_constexpr(self.K):
-                    s = s + mP[b * self.K + j, c]
-                sq = sq + s * s
+            for i in cutlass.range_constexpr(PER):
+                v = cutlass.min(tidx + i * T, nv - 1)
+                rp = cute.make_rmem_tensor(cute.make_layout((4, K)), Float32)
+                for j in cutlass.range_constexpr(K):  # the token's k slots, all loads first
+                    cute.copy(atom, gP[(None, (b * K + j, v))], rp[None, j])
+                keep = cutlass.max(cutlass.min(nv - (tidx + i * T), 1), 0).to(Float32)
+                for j in cutlass.range_constexpr(K):  # in slot order: deterministic
+                    for c in cutlass.range_constexpr(4):
+                        sums[c, i] = sums[c, i] + rp[c, j]
+                for c in cutlass.range_constexpr(4):
+                    sq = sq + sums[c, i] * sums[c, i] * keep
             sq = cute.arch.warp_reduction_sum(sq)
             smem = cutlass.utils.SmemAllocator()
             red = smem.allocate_tensor(Float32, cute.make_layout(T // 32), 16)
             if tidx % 32 == 0:
                 red[tidx // 32] = sq
+            if b == 0:  # every expert kernel of this step is done: reset the groups for the next one
+                for q in cutlass.range(tidx, mCnt.shape[0], T):
+                    mCnt[q] = Int32(0)
             cute.arch.sync_threads()
             tot = Float32(0.0)
             for w in cutlass.range_constexpr(T // 32):
                 tot = tot + red[w]
             inv = cute.math.rsqrt(tot / n.to(Float32) + Float32(self.eps))
-            for c in cutlass.range(tidx, n, T):  # second pass (the slots are in L1/L2 now)
-                s = Float32(0.0)
-                for j in cutlass.range_constexpr(self.K):
-                    s = s + mP[b * self.K + j, c]
-                mOut[b, c] = (s * inv * mG[c].to(Float32)).to(BFloat16)
+            for i in cutlass.range_constexpr(PER):
+                v = tidx + i * T
+                if v < nv:
+                    for c in cutlass.range_constexpr(4):
+                        mOut[b, 4 * v + c] = (sums[c, i] * inv * mG[4 * v + c].to(Float32)).to(BFloat16)
 
     class Situ:
         THREADS = 256

@@ -239,6 +239,13 @@ class EmulatedComm:
         self._occupy(x)
         return x if self.tp == 1 else x * self.tp
 
+    def all_reduce_add(self, x, base):
+        """base + all_reduce(x), one elementwise kernel."""
+        import torch
+
+        self._occupy(x)
+        return torch.add(base, x, alpha=self.tp)
+
 
 _SPIN_CYCLES_PER_US = 1980  # torch.cuda._sleep spins in SM clock cycles; H200 boost clock 1.98 GHz
 
@@ -323,9 +330,8 @@ class MoEBlock:
         blk._cache["w2_t"] = None if w.fmt == "mxfp4" else w.w2.transpose(1, 2)
         if experts == "cute":
             k = weights.shape.top_k
-            blk._cache["cfg13"], blk._cache["cfg2"] = experts_cfg or (
-                moe_experts.ExpertKernelConfig(rows=4, warps=4, unroll=4),
-                moe_experts.ExpertKernelConfig(rows=16, warps=1, unroll=2))  # w2's K is short: 192-384
+            blk._cache["cfg13"], blk._cache["cfg2"], per = experts_cfg or moe_experts.default_config(tokens)
+            blk._cache["groups"] = moe_experts.Groups.allocate(weights.shape.experts, tokens, k, per, dev)
             blk._cache["top"] = torch.empty(tokens, k, dtype=torch.int32, device=dev)
             blk._cache["wts"] = torch.empty(tokens, k, dtype=torch.float32, device=dev)
             blk._cache["act"] = torch.empty(tokens * k, weights.shape.inter // w.tp, dtype=torch.bfloat16, device=dev)
@@ -334,8 +340,9 @@ class MoEBlock:
             blk._cache["shared_act"] = torch.empty(tokens, weights.shape.shared_inter // w.tp, dtype=torch.bfloat16,
                                                    device=dev)
             blk.ran["routing"] = "k3tune route kernel (CuTe DSL): sigmoid + bias top-k, renormalised"
-            blk.ran["experts"] = (f"k3tune per-slot expert GEMVs (CuTe DSL) bf16: w13+SiTU {blk._cache['cfg13']}, "
-                                  f"w2 {blk._cache['cfg2']}; slot sum + RMSNorm kernel; shared SiTU kernel")
+            blk.ran["experts"] = (f"k3tune expert-grouped GEMVs (CuTe DSL) bf16, up to {per} tokens per expert "
+                                  f"read: w13+SiTU {blk._cache['cfg13']}, w2 {blk._cache['cfg2']}; slot sum + "
+                                  "RMSNorm kernel; shared SiTU kernel")
         else:
             blk.ran["experts"] = ("torch._grouped_mm bf16" if w.fmt == "bf16"
                                   else "MXFP4 dequantised (torch reference) + torch._grouped_mm")
@@ -395,7 +402,7 @@ class MoEBlock:
             torch.cuda.current_stream().wait_stream(side)
         if self._cache.get("prefetch") is not None:
             torch.cuda.current_stream().wait_stream(self._cache["prefetch"][0])  # joined: graph-capturable
-        return up + self.comm.all_reduce(shared)
+        return self.comm.all_reduce_add(shared, up)
 
     def _cute_routed(self, y, latent):
         """Routing, both expert projections, the slot sum and the RMSNorm: five launches. The emulated
@@ -405,13 +412,14 @@ class MoEBlock:
         forced = self.force_top is not None
         if forced:
             c["top"].copy_(self.force_top)
-        moe_experts.route(y, w.bias, c["top"], c["wts"], shape.top_k, shape.scaling, forced=forced)
+        g = c["groups"]
+        moe_experts.route(y, w.bias, c["top"], c["wts"], shape.top_k, shape.scaling, g, forced=forced)
         self.last_top = c["top"]
-        moe_experts.run_w13(c["cfg13"], latent, w.w13, c["act"], c["top"], c["wts"], shape.situ_beta,
+        moe_experts.run_w13(c["cfg13"], latent, w.w13, c["act"], c["wts"], g, shape.situ_beta,
                             shape.situ_linear_beta)
-        moe_experts.run_w2(c["cfg2"], c["act"], w.w2, c["per_slot"], c["top"], c["wts"])
+        moe_experts.run_w2(c["cfg2"], c["act"], w.w2, c["per_slot"], c["wts"], g)
         self.comm._occupy(c["per_slot"])
-        moe_experts.sum_norm(c["per_slot"], w.norm, c["normed"], shape.top_k, shape.rms_eps / self.comm.tp ** 2)
+        moe_experts.sum_norm(c["per_slot"], w.norm, c["normed"], shape.top_k, shape.rms_eps / self.comm.tp ** 2, g)
         return c["normed"]
 
     def _shared(self, x):
@@ -433,7 +441,7 @@ class MoEBlock:
         import torch
 
         s = torch.sigmoid(scores.float())
-        top = torch.topk(s + bias, shape.top_k, dim=-1).indices if forced is None else forced
+        top = torch.topk(s + bias, shape.top_k, dim=-1).indices if forced is None else forced.long()
         weights = s.gather(1, top)
         return top, weights / weights.sum(-1, keepdim=True) * shape.scaling
 
@@ -444,10 +452,13 @@ class MoEBlock:
 
         w, shape = self.weights, self.weights.shape
         b, k = top.shape
-        flat = top.reshape(-1)
+        flat = top.reshape(-1).long()
         order = torch.argsort(flat, stable=True)
         token = order // k
-        offs = torch.cumsum(torch.bincount(flat, minlength=shape.experts), 0).to(torch.int32)
+        # per-expert counts by scatter-add (bincount reads its max back to the host: not capturable)
+        counts = torch.zeros(shape.experts, dtype=torch.int32, device=flat.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
         a = latent.index_select(0, token).contiguous()
         w13_t = self._cache["w13_t"] if self._cache["w13_t"] is not None else w.expert_w13_bf16().transpose(1, 2)
         w2_t = self._cache["w2_t"] if self._cache["w2_t"] is not None else w.expert_w2_bf16().transpose(1, 2)

@@ -1,0 +1,93 @@
+"""Where the MoE block's time goes: one CUDA-graph replay of a layer's block under the torch profiler, each
+kernel with its start (relative to the first) and duration, in start order, so the critical path and the
+side stream's overlap can be read off.
+
+    python bench/moe_profile.py [--tp 16] [--batch 1] [--path tuned] [--shared-sms 0] [--prefetch-mib 0]
+
+Runs from bench/ like bench/moe.py (uniform routing imposed, GB300 collective stand-ins).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+
+import torch
+
+from k3tune.plan import routing as routings
+from k3tune.kernels.moe_experts import ExpertKernelConfig
+from k3tune.runtime import Selector
+from k3tune.runtime.moe import BlockShape, EmulatedComm, MoEBlock, random_weights
+from k3tune.shipped import configs_dir
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tp", type=int, default=16)
+    ap.add_argument("--batches", default="1")
+    ap.add_argument("--paths", default="tuned")
+    ap.add_argument("--routing", default="uniform")
+    ap.add_argument("--shared-sms", type=int, default=0)
+    ap.add_argument("--prefetch-mib", type=int, default=0)
+    ap.add_argument("--link", default="gb300")
+    ap.add_argument("--cfgs", default="", help="expert-kernel knob sets to compare, ';'-separated, each "
+                    "'rows,warps,unroll/rows,warps,unroll/per' (w13/w2/tokens per item); empty: the default")
+    ap.add_argument("--grep", default="", help="print only kernels whose name contains one of these (',')")
+    args = ap.parse_args()
+    from k3tune.runtime.partition import green_partition
+
+    sh = BlockShape.from_config(configs_dir() / "kimi_k3_config.json")
+    sel = Selector.load()
+    stream = green_partition(args.shared_sms).stream if args.shared_sms else None
+    layers = [random_weights(sh, args.tp, device="cuda", seed=i) for i in range(4)]
+    for batch in (int(b) for b in args.batches.split(",")):
+        ids = routings.sample(args.routing, sh.experts, sh.top_k, batch, random.Random(batch))
+        top = torch.tensor(ids, device="cuda")
+        x = torch.randn(batch, sh.hidden, device="cuda").to(torch.bfloat16)
+        cfgs = [None] + [parse_cfg(c) for c in args.cfgs.split(";") if c]
+        for path, cfg in [(p, c) for p in args.paths.split(",") for c in (cfgs if p == "tuned" else [None])]:
+            comm = EmulatedComm(args.tp) if args.link == "none" else EmulatedComm.for_target(args.link, args.tp)
+            blocks = [MoEBlock.build(w, path, batch=batch, selector=sel, prefetch_mib=args.prefetch_mib,
+                                     shared_stream=stream, comm=comm, experts_cfg=cfg) for w in layers]
+            for b in blocks:
+                b.force_top = top
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                for b in blocks:
+                    b(x)
+            torch.cuda.current_stream().wait_stream(s)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for b in blocks:
+                    b(x)
+            for _ in range(5):
+                graph.replay()
+            torch.cuda.synchronize()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                graph.replay()
+                torch.cuda.synchronize()
+            ev = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                         and e.time_range.elapsed_us() > 0), key=lambda e: e.time_range.start)
+            t0 = ev[0].time_range.start
+            per = len(ev) // len(blocks)
+            last = ev[-1].time_range.end - t0
+            print(f"\n## tp{args.tp} batch {batch} {path} {blocks[0].ran.get('experts', '')[:150]}: {len(ev)} "
+                  f"kernels in 4 layers, {last / 4:.1f} us/layer; layer 3 of 4:")
+            layer = ev[2 * per: 3 * per]
+            base = layer[0].time_range.start
+            for e in layer:
+                if args.grep and not any(g in e.name for g in args.grep.split(",")):
+                    continue
+                print(f"  {e.time_range.start - base:8.1f} +{e.time_range.elapsed_us():7.1f}  {e.name[:90]}")
+            del blocks, graph
+
+
+def parse_cfg(text: str) -> tuple:
+    a, b, per = text.split("/")
+    return (ExpertKernelConfig(*(int(v) for v in a.split(","))), ExpertKernelConfig(*(int(v) for v in b.split(","))),
+            int(per))
+
+
+if __name__ == "__main__":
+    main()
