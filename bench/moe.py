@@ -27,7 +27,7 @@ import torch
 from gemm import copy_bandwidth  # bench/gemm.py (this script runs from bench/)
 
 from k3tune.kernels import mxfp4
-from k3tune.plan import routing as routings
+from k3tune.plan import model as models, routing as routings
 from k3tune.runtime import Selector
 from k3tune.runtime.moe import BlockShape, EmulatedComm, MoEBlock, random_weights
 from k3tune.search.measure_gpu import time_graph
@@ -62,13 +62,16 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=15)
     ap.add_argument("--out", default="bench-moe.json")
     ap.add_argument("--db", default=None, help="tuning database (default: the shipped one for this GPU)")
+    ap.add_argument("--model", default="kimi_k3_bf16_experts.json", help="the model whose winners are served "
+                    "(configs/; the moe.block winners are keyed by its expert format: bf16 experts by default, "
+                    "like the comparison)")
     ap.add_argument("--served", action="store_true", help="also run the block as served: every knob from the "
                     "database's moe.block winner (MoEBlock.serve)")
     args = ap.parse_args()
     from k3tune.runtime.partition import green_partition
 
     sh = BlockShape.from_config(configs_dir() / "kimi_k3_config.json")
-    sel = Selector.load(args.db)
+    sel = Selector.load(args.db, model=models.load(configs_dir() / args.model))
     sms_list = [int(v) for v in args.shared_sms.split(",")]
     pf_list = [int(v) for v in args.prefetch_mib.split(",")]
     streams = {n: green_partition(n).stream for n in sms_list if n}
