@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Multi-GPU checks of issue 5 on an N-GPU device: the same problems swept on 1 GPU and on N (throughput,
+# winners compared later with `k3tune db diff`), then an N-GPU sweep with one worker killed -9 mid-run.
+# Usage (device tool, kind nvidia-h200-x2, carry [".carry"]): bash bench/multi_gpu.sh [N] [SPEC]
+set -uo pipefail
+source .carry/cutedsl/unpack.sh || exit 1
+N=${1:-2}; SPEC=${2:-configs/sweep_h200_scaling.toml}
+nvidia-smi --query-gpu=index,name,clocks.sm,temperature.gpu --format=csv | tee $OUT/gpu.txt
+for g in 1 $N; do
+  timeout ${SWEEP_S:-120} python3 bench/device_sweep.py --spec $SPEC --db $OUT/gpus$g.sqlite --gpus $g \
+    > $OUT/gpus$g.log 2>&1; echo "gpus=$g rc=$?"; grep -E '"(trials|seconds|failed|problems_done|workers_replaced)"' $OUT/gpus$g.log
+done
+timeout ${SWEEP_S:-120} python3 bench/device_sweep.py --spec $SPEC --db $OUT/killed.sqlite --gpus $N \
+  > $OUT/killed.log 2>&1 &
+P=$!
+sleep ${KILL_AFTER:-15}
+victim=$(pgrep -f spawn_main | head -1); echo "killing worker pid $victim"; kill -9 $victim
+wait $P; echo "killed run rc=$?"
+grep -E '"(trials|seconds|failed|problems_done|workers_replaced|workers_retired)"' $OUT/killed.log
+for f in $OUT/*.sqlite; do python3 -c "import sqlite3,sys; sqlite3.connect(sys.argv[1]).execute('PRAGMA wal_checkpoint(TRUNCATE)')" $f; done
