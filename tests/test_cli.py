@@ -143,8 +143,9 @@ def test_typer_app_object_is_importable():
 
 
 def test_shipped_h200_database_is_current():
-    """Every shipped winner was tuned with the kernel sources in this tree: a kernel change needs a re-sweep."""
+    """Every shipped winner was tuned with the kernel sources in this tree (a kernel change, or for the MoE
+    block an executor change, needs a re-sweep), and covers its spec."""
     from k3tune.shipped import configs_dir, tuning_db_dir
 
-    spec = str(configs_dir() / "sweep_h200_dense.toml")
-    assert main(["db", "verify", str(tuning_db_dir() / "h200.sqlite"), "--spec", spec]) == 0
+    for spec in ("sweep_h200_dense.toml", "sweep_h200_moe_bf16.toml"):  # dense projections; MoE blocks (bf16)
+        assert main(["db", "verify", str(tuning_db_dir() / "h200.sqlite"), "--spec", str(configs_dir() / spec)]) == 0
