@@ -27,7 +27,8 @@ import torch
 from gemm import copy_bandwidth  # bench/gemm.py (this script runs from bench/)
 
 from k3tune.kernels import mxfp4
-from k3tune.plan import model as models, routing as routings
+from k3tune.plan import model as models
+from k3tune.plan import routing as routings
 from k3tune.runtime import Selector
 from k3tune.runtime.moe import BlockShape, EmulatedComm, MoEBlock, random_weights
 from k3tune.search.measure_gpu import time_graph

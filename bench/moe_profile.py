@@ -14,8 +14,8 @@ import random
 
 import torch
 
-from k3tune.plan import routing as routings
 from k3tune.kernels.moe_experts import ExpertKernelConfig
+from k3tune.plan import routing as routings
 from k3tune.runtime import Selector
 from k3tune.runtime.moe import BlockShape, EmulatedComm, MoEBlock, random_weights
 from k3tune.shipped import configs_dir

@@ -61,3 +61,16 @@ def test_l2_prefetch_compiles(arch):
     from k3tune.kernels.l2_prefetch import compiled as prefetch_kernel
 
     assert prefetch_kernel(arch) is not None
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_tensor_core_expert_kernels_compile(arch):
+    """The tensor-core grouped expert kernels, bf16 and MXFP4, at a stated sample of their knobs."""
+    from k3tune.kernels.moe_experts_tc import compiled as tc_kernel
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        for kind, knobs in [("w13", (1, 2, 2, 1, 2, 4.0, 25.0)), ("w13", (2, 1, 4, 2, 1, 4.0, 25.0)),
+                            ("w2", (1, 4, 1, 1, 2, 0.0, 0.0)), ("w2", (2, 2, 2, 2, 1, 0.0, 0.0))]:
+            for fmt in ("bf16", "mxfp4"):
+                assert tc_kernel(kind, knobs, fmt, arch) is not None, (kind, knobs, fmt)

@@ -161,3 +161,18 @@ def test_serve_takes_the_block_choice_and_its_knobs_from_the_selector(tmp_path):
     blk = MoEBlock.serve(random_weights(small16, 16), sel, batch=8)
     assert blk.ran["block"].startswith(choice.family) and blk.ran["block"].endswith("(simulated)")
     assert blk.path == ("stock" if choice.family == "moe.stock" else "tuned")
+
+
+def test_tensor_core_expert_kernels_refuse_what_they_cannot_run():
+    import torch
+
+    from k3tune.errors import ConfigError
+    from k3tune.kernels import moe_experts_tc
+    from k3tune.kernels.moe_experts import Groups
+    from k3tune.kernels.moe_experts_tc import TcExpertConfig
+
+    grp = Groups.allocate(8, 4, 2, 16, "cpu")
+    with pytest.raises(ConfigError, match="do not fit"):
+        moe_experts_tc.check(TcExpertConfig(n_tiles=1), grp, 64, "bf16")
+    with pytest.raises(ConfigError, match="above 2"):
+        moe_experts_tc.check_scales(torch.tensor([127, 130], dtype=torch.uint8))

@@ -1,0 +1,344 @@
+"""Grouped routed-expert projections on tensor cores (CuTe DSL, warp-level ``mma.sync.m16n8k16``, fp32
+accumulation), for bf16 experts and for MXFP4 experts dequantised in registers (Hopper has no FP4 tensor
+cores). The CUDA-core kernels of ``moe_experts`` issue one FMA per weight and token; here a work item of up
+to 8 x ``n_tiles`` tokens of one expert costs one MMA per 16 rows x 16 K x 8 tokens, so an expert shared
+by many tokens (large batches, skewed routing) is read once at the cost of one.
+
+Same contract as ``moe_experts.run_w13`` / ``run_w2``: work items and slot lists come from the route kernel's
+``Groups``; ``act[slot] = situ(x_tok . gate, x_tok . up)`` and ``out[slot] = weight[slot] * act[slot] . w2``.
+
+Swap-AB: weight rows fill the MMA's M (16 per tile), the item's tokens its N (8 per tile). A warp owns
+``m_tiles`` row tiles (w13: each gate tile with its up tile, so SiTU pairs meet in one lane's accumulators);
+``warps_n`` warps own different row tiles, ``warps_k`` warps split K and are reduced through shared memory in
+warp order (deterministic).
+
+Operands go straight from global memory to registers in 16-byte vectors, with a K permutation shared by both
+operands (the products are unchanged): bf16 — lane ``t`` loads 8 weights at ``32 j + 8 (t % 4)`` of rows
+``t // 4`` and ``t // 4 + 8``, and 8 activations of token ``t // 4`` at the same K. MXFP4 — lane ``t`` loads 16
+bytes = 32 codes = one scale block (``128 j + 32 (t % 4)``) of each row; a code pair (nibble i, nibble i + 4)
+of a 32-bit word becomes a bf16x2 register with two shifts and masks (3 magnitude bits to bf16 bits 6-8,
+the sign to bit 15: the value times 2^-126, E2M1's two subnormal codes landing on bf16 subnormals), then one
+``fma.rn.bf16x2`` by 2^(scale - 1) restores the value exactly; the activations are paired to match.
+Scales above 2^1 are refused by ``check_scales`` (bf16 cannot hold the 2^(s-1) multiplier; K3's weight
+scales are far below).
+
+Status: compiles on the CPU for sm_90a and sm_100a (tests/test_kernel_compile.py); GPU numerics in
+tests/test_gpu_moe_tc.py, not yet run; not yet used by the block executor (runtime/moe.py).
+"""
+
+import functools
+import os
+from dataclasses import dataclass
+
+VEC = 8  # bf16 per 16-byte vector
+FP4_BLOCK = 32  # codes per scale (and per 16-byte vector)
+MAX_SCALE_BYTE = 128  # 2^(s - 1) must be a normal bf16
+
+
+@dataclass(frozen=True)
+class TcExpertConfig:
+    m_tiles: int = 1  # 16-row MMA tiles per warp (w13: gate tiles, each with its up tile)
+    warps_n: int = 2  # warps over row tiles
+    warps_k: int = 2  # warps over K, reduced through shared memory
+    n_tiles: int = 1  # 8-token MMA tiles per work item: items hold up to 8 x n_tiles tokens
+    unroll: int = 2  # K chunks whose loads issue before their MMAs
+
+    @property
+    def tokens(self) -> int:
+        return 8 * self.n_tiles
+
+
+def check(cfg: TcExpertConfig, groups, k: int, fmt: str) -> None:
+    from k3tune.errors import ConfigError
+
+    if fmt not in ("bf16", "mxfp4"):
+        raise ConfigError(f"tensor-core expert kernel: format {fmt!r}, expected bf16 or mxfp4")
+    if groups.per > cfg.tokens:
+        raise ConfigError(f"work items of {groups.per} tokens do not fit {cfg.n_tiles} MMA tile(s) of 8 tokens")
+    if k % (VEC * 4 if fmt == "bf16" else FP4_BLOCK):
+        raise ConfigError(f"tensor-core expert kernel ({fmt}): K {k} is not a multiple of "
+                          f"{VEC * 4 if fmt == 'bf16' else FP4_BLOCK}")
+
+
+def check_scales(scales) -> None:
+    """MXFP4 scales this kernel can apply exactly: E8M0 bytes up to 128 (2^1)."""
+    from k3tune.errors import ConfigError
+
+    top = int(scales.max())
+    if top > MAX_SCALE_BYTE:
+        raise ConfigError(f"MXFP4 scale byte {top} (2^{top - 127}) is above 2^1: not supported by the "
+                          "tensor-core expert kernel")
+
+
+def current_arch() -> str:
+    from k3tune.kernels.gemm_smallm import current_arch as arch
+
+    return arch()
+
+
+def _fake_args(kind: str, fmt: str, arch: str):
+    import cutlass.cute as cute
+    from cutlass import BFloat16, Float32, Int32, Uint8
+    from cutlass.cute.runtime import make_fake_compact_tensor as fake
+
+    os.environ["CUTE_DSL_ARCH"] = arch
+    b, k, t, e, n = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
+    kk = cute.sym_int(divisibility=FP4_BLOCK)
+    x = fake(BFloat16, (cute.sym_int(), kk), stride_order=(1, 0), assumed_align=16)
+    if fmt == "bf16":
+        w = fake(BFloat16, (e, n, cute.sym_int(divisibility=VEC)), stride_order=(2, 1, 0), assumed_align=16)
+        s = fake(Uint8, (1, 1, 1), stride_order=(2, 1, 0), assumed_align=1)
+    else:
+        w = fake(Uint8, (e, n, cute.sym_int(divisibility=16)), stride_order=(2, 1, 0), assumed_align=16)
+        s = fake(Uint8, (e, n, cute.sym_int()), stride_order=(2, 1, 0), assumed_align=1)
+    out = (fake(BFloat16, (t, cute.sym_int()), stride_order=(1, 0), assumed_align=2) if kind == "w13"
+           else fake(Float32, (t, n), stride_order=(1, 0), assumed_align=4))
+    wt = fake(Float32, (b, k), stride_order=(1, 0), assumed_align=4)
+    groups = (fake(Int32, (cute.sym_int(),), assumed_align=4), fake(Int32, (cute.sym_int(),), assumed_align=4),
+              fake(Int32, (cute.sym_int(), cute.sym_int()), stride_order=(1, 0), assumed_align=4))
+    return x, w, s, out, wt, *groups
+
+
+@functools.cache
+def compiled(kind: str, knobs: tuple, fmt: str, arch: str):
+    """One compile per projection, knobs (m_tiles, warps_n, warps_k, n_tiles, unroll[, beta, linear_beta]),
+    format and arch; batch, widths and expert counts are dynamic. Never call inside a capture."""
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_stream
+
+    kern = _kernel_class()(kind, fmt, *knobs)
+    return cute.compile(kern, *_fake_args(kind, fmt, arch), make_fake_stream(), options=f"--gpu-arch {arch}")
+
+
+def run_w13(cfg: TcExpertConfig, latent, w13, act, weights, groups, beta: float, linear_beta: float,
+            scales=None, stream=None):
+    """act[slot, :I] = situ(latent[tok] . gate rows, latent[tok] . up rows) over ``groups``' work items;
+    ``w13`` bf16 [E, 2I, K], or MXFP4 codes uint8 [E, 2I, K/2] with ``scales`` uint8 [E, 2I, K/32]."""
+    fmt = "bf16" if scales is None else "mxfp4"
+    check(cfg, groups, latent.shape[1], fmt)
+    fn = compiled("w13", (cfg.m_tiles, cfg.warps_n, cfg.warps_k, cfg.n_tiles, cfg.unroll, float(beta),
+                          float(linear_beta)), fmt, current_arch())
+    _launch(fn, latent, w13, scales, act, weights, groups, stream)
+
+
+def run_w2(cfg: TcExpertConfig, act, w2, out, weights, groups, scales=None, stream=None):
+    """out[slot, :L] = weight[slot] * act[slot] . w2 rows (fp32), over ``groups``' work items."""
+    fmt = "bf16" if scales is None else "mxfp4"
+    check(cfg, groups, act.shape[1], fmt)
+    fn = compiled("w2", (cfg.m_tiles, cfg.warps_n, cfg.warps_k, cfg.n_tiles, cfg.unroll, 0.0, 0.0), fmt,
+                  current_arch())
+    _launch(fn, act, w2, scales, out, weights, groups, stream)
+
+
+def _launch(fn, x, w, scales, out, weights, groups, stream):
+    import torch
+
+    from k3tune.kernels.moe_experts import _groups, _stream, _t
+
+    s = scales if scales is not None else _dummy_scales(w.device)
+    fn(_t(x, 16), _t(w, 16), _t(s, 1), _t(out, 16 if out.dtype == torch.float32 else 2), _t(weights, 4),
+       *_groups(groups), _stream(stream))
+
+
+@functools.cache
+def _dummy_scales(device):
+    import torch
+
+    return torch.zeros(1, 1, 1, dtype=torch.uint8, device=device)
+
+
+@functools.cache
+def _kernel_class():
+    import cutlass
+    import cutlass.cute as cute
+    from cuda.bindings import driver as cuda
+    from cutlass import BFloat16, Float32, Int32, Uint8
+
+    from k3tune.kernels.moe_experts import ITEM_SHIFT
+
+    MAG, SIGN = 0x01C001C0, -0x7FFF8000  # 0x80008000 as a signed 32-bit constant
+
+    def _shift(q, n: int):
+        return q << n if n >= 0 else q >> (-n)
+
+    class TcExpertGemm:
+        def __init__(self, which, fmt, mt, wn, wk, nt, unroll, beta=0.0, linear_beta=0.0):
+            self.w13, self.fp4 = which == "w13", fmt == "mxfp4"
+            self.mt, self.wn, self.wk, self.nt, self.unroll = mt, wn, wk, nt, unroll
+            self.mtot = 2 * mt if self.w13 else mt  # MMA row tiles a warp computes (gate + up for w13)
+            self.beta, self.lin = beta, linear_beta
+            self.cta_rows = 16 * mt * wn
+
+        @cute.jit
+        def __call__(self, mX: cute.Tensor, mW: cute.Tensor, mS: cute.Tensor, mOut: cute.Tensor,
+                     mWt: cute.Tensor, mCnt: cute.Tensor, mItems: cute.Tensor, mSlots: cute.Tensor,
+                     stream: cuda.CUstream):
+            out_rows = mW.shape[1] // 2 if cutlass.const_expr(self.w13) else mW.shape[1]
+            tiles = (out_rows + self.cta_rows - 1) // self.cta_rows
+            ctas = cutlass.min(mItems.shape[0], cutlass.max(8, 32768 // tiles))
+            self.kernel(mX, mW, mS, mOut, mWt, mCnt, mItems, mSlots).launch(
+                grid=(ctas, tiles, 1), block=(self.wn * self.wk * 32, 1, 1), stream=stream)
+
+        @cute.kernel
+        def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mS: cute.Tensor, mOut: cute.Tensor,
+                   mWt: cute.Tensor, mCnt: cute.Tensor, mItems: cute.Tensor, mSlots: cute.Tensor):
+            MT, MTOT, NT, WN, WK, U = self.mt, self.mtot, self.nt, self.wn, self.wk, self.unroll
+            tidx, _, _ = cute.arch.thread_idx()
+            bidx, bidy, _ = cute.arch.block_idx()
+            gdx, _, _ = cute.arch.grid_dim()
+            warp = tidx // 32
+            lane = tidx % 32
+            g = lane // 4
+            c = lane % 4
+            wrow = warp % WN
+            wkk = warp // WN
+            k = mWt.shape[1]
+            n_experts = mCnt.shape[0] - 1
+            width = mSlots.shape[1]
+            half = mW.shape[1] // 2
+            out_rows = half if cutlass.const_expr(self.w13) else mW.shape[1]
+            kdim = mX.shape[1]
+            # bf16: 32 K per chunk (4 lanes x 8); MXFP4: 128 K per chunk (4 lanes x one 32-code block)
+            chunks = kdim // 32 if cutlass.const_expr(not self.fp4) else (kdim + 127) // 128
+            row0 = bidy * self.cta_rows + wrow * 16 * MT
+            wrows = []  # per MMA tile: rows g and g + 8 (clamped; their results are never stored)
+            for i in cutlass.range_constexpr(MTOT):
+                for h in cutlass.range_constexpr(2):
+                    r = cutlass.min(row0 + (i % MT) * 16 + g + 8 * h, out_rows - 1)
+                    wrows.append(r + half if cutlass.const_expr(self.w13 and i >= MT) else r)
+            gX = cute.zipped_divide(mX, (1, VEC))
+            x_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
+            w_dtype = Uint8 if cutlass.const_expr(self.fp4) else BFloat16
+            w_atom = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), w_dtype, num_bits_per_copy=128, invariant=True)
+            mma = cute.make_mma_atom(cute.nvgpu.warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16)))
+            nacc = 4 * MTOT * NT
+            smem = cutlass.utils.SmemAllocator()
+            red = smem.allocate_tensor(Float32, cute.make_layout((nacc, 32, WN, max(WK - 1, 1))), 16)
+
+            for it in cutlass.range(bidx, mCnt[n_experts], gdx):
+                code = mItems[it]
+                ex = code >> ITEM_SHIFT
+                t0 = code & ((1 << ITEM_SHIFT) - 1)
+                xrows = []  # this lane's B-operand token per 8-token tile (stale slot ids past the item: dropped)
+                for j in cutlass.range_constexpr(NT):
+                    sl = mSlots[ex, cutlass.min(t0 + j * 8 + g, width - 1)]
+                    xrows.append(sl // k if cutlass.const_expr(self.w13) else sl)
+                acc = cute.make_rmem_tensor(cute.make_layout((4, MTOT, NT)), Float32)
+                acc.fill(0.0)
+                for kb in cutlass.range(wkk * U, chunks, WK * U):
+                    if cutlass.const_expr(self.fp4):
+                        self._batch_fp4(mW, mS, gX, w_atom, x_atom, mma, ex, wrows, xrows, kb, chunks, kdim, c,
+                                        acc)
+                    else:
+                        self._batch_bf16(mW, gX, w_atom, x_atom, mma, ex, wrows, xrows, kb, chunks, c, acc)
+                if cutlass.const_expr(WK > 1):  # K warps reduced in warp order: deterministic
+                    if wkk > 0:
+                        for q in cutlass.range_constexpr(nacc):
+                            red[q, lane, wrow, wkk - 1] = acc[q]
+                    cute.arch.sync_threads()
+                    if wkk == 0:
+                        for w2k in cutlass.range_constexpr(WK - 1):
+                            for q in cutlass.range_constexpr(nacc):
+                                acc[q] = acc[q] + red[q, lane, wrow, w2k]
+                ntok = mCnt[ex] - t0
+                if wkk == 0:
+                    # accumulator q of tile (i, jt): row g + 8 (q // 2), token 2 c + q % 2 of the tile
+                    for i in cutlass.range_constexpr(MT):
+                        for jt in cutlass.range_constexpr(NT):
+                            for q in cutlass.range_constexpr(4):
+                                row = row0 + i * 16 + g + 8 * (q // 2)
+                                t = jt * 8 + 2 * c + q % 2
+                                if t < ntok and row < out_rows:
+                                    slot = mSlots[ex, t0 + t]
+                                    s = acc[q, i, jt]
+                                    if cutlass.const_expr(self.w13):
+                                        up = cutlass.max(cutlass.min(acc[q, MT + i, jt], Float32(self.lin)),
+                                                         Float32(-self.lin))
+                                        sig = Float32(1.0) / (Float32(1.0) + cute.math.exp(-Float32(self.beta) * s))
+                                        mOut[slot, row] = (s * sig * up).to(BFloat16)
+                                    else:
+                                        mOut[slot, row] = s * mWt[slot // k, slot % k]
+                if cutlass.const_expr(WK > 1):
+                    cute.arch.sync_threads()  # red is reused by the next item
+
+        @cute.jit
+        def _batch_bf16(self, mW, gX, w_atom, x_atom, mma, ex, wrows, xrows, kb, chunks, c, acc):
+            MTOT, NT, U = self.mtot, self.nt, self.unroll
+            gW = cute.zipped_divide(mW[ex, None, None], (1, VEC))
+            rw = cute.make_rmem_tensor(cute.make_layout((VEC, 2 * MTOT, U)), BFloat16)
+            rx = cute.make_rmem_tensor(cute.make_layout((VEC, NT, U)), BFloat16)
+            fa = cute.make_rmem_tensor(cute.make_layout((8, MTOT)), BFloat16)  # PTX a0..a7 per tile
+            fb = cute.make_rmem_tensor(cute.make_layout((4, NT)), BFloat16)
+            tmp = cute.make_rmem_tensor(cute.make_layout((4, MTOT, NT)), Float32)
+            for u in cutlass.range_constexpr(U):  # every load of the batch before the first MMA
+                kv = cutlass.min(kb + u, chunks - 1) * 4 + c
+                for r in cutlass.range_constexpr(2 * MTOT):
+                    cute.copy(w_atom, gW[(None, (wrows[r], kv))], rw[None, r, u])
+            for u in cutlass.range_constexpr(U):
+                kv = cutlass.min(kb + u, chunks - 1) * 4 + c
+                for j in cutlass.range_constexpr(NT):
+                    cute.copy(x_atom, gX[(None, (xrows[j], kv))], rx[None, j, u])
+            for u in cutlass.range_constexpr(U):
+                tmp.fill(0.0)
+                for s in cutlass.range_constexpr(2):  # two k16 steps: vector elements 4s .. 4s + 3
+                    for i in cutlass.range_constexpr(MTOT):
+                        for h in cutlass.range_constexpr(2):  # a0a1 / a4a5 (row g), a2a3 / a6a7 (row g + 8)
+                            fa[4 * h, i] = rw[4 * s + 2 * h, 2 * i, u]
+                            fa[4 * h + 1, i] = rw[4 * s + 2 * h + 1, 2 * i, u]
+                            fa[4 * h + 2, i] = rw[4 * s + 2 * h, 2 * i + 1, u]
+                            fa[4 * h + 3, i] = rw[4 * s + 2 * h + 1, 2 * i + 1, u]
+                    for j in cutlass.range_constexpr(NT):
+                        for v in cutlass.range_constexpr(4):
+                            fb[v, j] = rx[4 * s + v, j, u]
+                    cute.gemm(mma, tmp, fa, fb, tmp)
+                keep = cutlass.max(cutlass.min(chunks - kb - u, 1), 0).to(Float32)  # 1 inside K, else 0
+                for q in cutlass.range_constexpr(4 * MTOT * NT):
+                    acc[q] = acc[q] + tmp[q] * keep
+
+        @cute.jit
+        def _batch_fp4(self, mW, mS, gX, w_atom, x_atom, mma, ex, wrows, xrows, kb, chunks, kdim, c, acc):
+            MTOT, NT, U = self.mtot, self.nt, self.unroll
+            gW = cute.zipped_divide(mW[ex, None, None], (1, 16))  # 16 bytes = 32 codes = one scale block
+            blocks = kdim // FP4_BLOCK
+            rq = cute.make_rmem_tensor(cute.make_layout((16, 2 * MTOT, U)), Uint8)
+            rx = cute.make_rmem_tensor(cute.make_layout((VEC, 4, NT, U)), BFloat16)
+            sc = cute.make_rmem_tensor(cute.make_layout((2 * MTOT, U)), Int32)
+            fa = cute.make_rmem_tensor(cute.make_layout((8, MTOT)), BFloat16)
+            fb = cute.make_rmem_tensor(cute.make_layout((4, NT)), BFloat16)
+            for u in cutlass.range_constexpr(U):  # codes and scales first: they need only the expert
+                blk = (kb + u) * 4 + c
+                blk_c = cutlass.min(blk, blocks - 1)
+                live = Int32(cutlass.select_(blk < blocks, 1, 0))  # a block past K contributes 0
+                for r in cutlass.range_constexpr(2 * MTOT):
+                    cute.copy(w_atom, gW[(None, (wrows[r], blk_c))], rq[None, r, u])
+                    sc[r, u] = mS[ex, wrows[r], blk_c].to(Int32) * live
+            for u in cutlass.range_constexpr(U):
+                blk_c = cutlass.min((kb + u) * 4 + c, blocks - 1)
+                for j in cutlass.range_constexpr(NT):
+                    for v in cutlass.range_constexpr(4):
+                        cute.copy(x_atom, gX[(None, (xrows[j], blk_c * 4 + v))], rx[None, v, j, u])
+            fa32 = cute.recast_tensor(fa, Int32)  # (4, MTOT): a0a1, a2a3, a4a5, a6a7
+            for u in cutlass.range_constexpr(U):
+                q32 = cute.recast_tensor(rq, Int32)  # (4, 2 MTOT, U): the 16 bytes as 4 words
+                mul = []
+                for r in cutlass.range_constexpr(2 * MTOT):  # bf16x2 of 2^(s - 1) (0 for s = 0 or past K)
+                    bits = Int32(cutlass.select_(sc[r, u] > 0, (sc[r, u] + 126) << 7, 0))  # exponent s + 126
+                    mul.append(bits | (bits << 16))
+                for s in cutlass.range_constexpr(8):  # eight k16 steps: code pairs 2s and 2s + 1
+                    for i in cutlass.range_constexpr(MTOT):
+                        for h in cutlass.range_constexpr(2):  # pair 2s + h -> a0a1/a2a3 (h=0), a4a5/a6a7 (h=1)
+                            p = 2 * s + h
+                            jw, ni = p // 4, p % 4
+                            for rr in cutlass.range_constexpr(2):  # row g, row g + 8
+                                qw = q32[jw, 2 * i + rr, u]
+                                dec = (_shift(qw, 6 - 4 * ni) & MAG) | (_shift(qw, 12 - 4 * ni) & SIGN)
+                                fa32[2 * h + rr, i] = cute.arch.fma_packed_bf16x2(dec, mul[2 * i + rr], Int32(0))
+                    for j in cutlass.range_constexpr(NT):
+                        for h in cutlass.range_constexpr(2):  # the activations at the same K, paired alike
+                            p = 2 * s + h
+                            jw, ni = p // 4, p % 4
+                            fb[2 * h, j] = rx[ni, jw, j, u]
+                            fb[2 * h + 1, j] = rx[ni + 4, jw, j, u]
+                    cute.gemm(mma, acc, fa, fb, acc)
+
+    return TcExpertGemm
