@@ -296,3 +296,29 @@ def test_simulated_h200_cublas_is_calibrated_against_measurements():
     geo = math.exp(sum(map(math.log, ratios)) / len(ratios))
     assert 0.8 < geo < 1.25
     assert all(0.5 < r < 2.0 for r in ratios)
+
+
+def _prefetching_family():
+    """moe.overlap with its L2 prefetch declared optional (what the search does with ``off`` knobs)."""
+    cls = type(family("moe.overlap"))
+    return type("OverlapWithOffKnobs", (cls,), {"off": {"prefetch_mib": 0}})()
+
+
+def test_an_optional_feature_that_does_not_pay_beyond_noise_is_recorded_off():
+    """The leader is remeasured with its prefetch off; within the noise, off wins: a database never records
+    a prefetch size where prefetching does not pay."""
+    p = Problem("moe.block", "moe_block", (("tp", 16), ("M", 8), ("experts", 896), ("top_k", 16),
+                                           ("latent", 3584), ("inter", 192), ("shared_inter", 384),
+                                           ("hidden", 7168), ("format", "bf16"), ("routing", "uniform")))
+    fam = _prefetching_family()
+    for gain, expect_off in ((0.0005, True), (0.05, False)):  # per MiB: noise, then a real gain
+        s = ProblemSearch(p, [fam], spec.SearchSettings(budget=12, patience=12, remeasure_top=2, samples=9),
+                          seed=3)
+        _drive(s, lambda c, g=gain: 100.0 - g * c.params["prefetch_mib"])
+        assert (s.decision.params["prefetch_mib"] == 0) == expect_off, (gain, s.decision.params)
+
+
+def test_families_without_off_knobs_keep_their_tie_order():
+    p = Problem("kda.o_proj", "gemm", (("M", 4), ("N", 7168), ("K", 1536)))
+    fams = families_for(p, "simulated")
+    assert all(not f.off for f in fams)

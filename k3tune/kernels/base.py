@@ -150,7 +150,10 @@ class KernelFamily:
         """Relative error bound (||out - ref|| / ||ref||) for bf16 outputs."""
         return 2e-2
 
-    depends_on: tuple[str, ...] = ()  # other modules whose source decides this family's results
+    depends_on: ClassVar[tuple[str, ...]] = ()  # other modules whose source decides this family's results
+    # knobs whose value switches an optional feature off (e.g. an L2 prefetch size of 0): the search also
+    # remeasures the leading config with them off, and a statistical tie goes to the config with more off
+    off: ClassVar[dict] = {}
 
     @cached_property
     def digest(self) -> str:

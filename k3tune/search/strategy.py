@@ -187,6 +187,10 @@ class ProblemSearch:
             if safe is not None and safe.status == "ok" and safe not in finalists:
                 finalists.append(safe)
             self.queue = [Candidate(r.candidate.family, r.candidate.params, r.candidate.key, 1) for r in finalists]
+            if finalists:  # the leader with its optional features off: does the feature pay beyond noise?
+                plain = self._switched_off(finalists[0].candidate)
+                if plain is not None and all(c.key != plain.key or c.family != plain.family for c in self.queue):
+                    self.queue.append(plain)
         if self.phase == "remeasure":
             while self.queue:
                 cand = self.queue.pop(0)
@@ -196,6 +200,22 @@ class ProblemSearch:
             if not self.in_flight:
                 self.decision = self._decide()
         return None
+
+    def _switched_off(self, cand: Candidate) -> Candidate | None:
+        """``cand`` with every knob of its family's ``off`` set to off (round 1), if that differs and is valid."""
+        fam = self.fams[cand.family]
+        changed = {k: v for k, v in fam.off.items() if k in cand.params and cand.params[k] != v}
+        if not changed:
+            return None
+        params = {**cand.params, **changed}
+        try:
+            cfg = fam.config_from_params(self.problem, params)
+        except CannotImplement:
+            return None
+        return Candidate(fam.name, params, params_key(params), 1) if fam.valid(cfg, self.problem) else None
+
+    def _n_off(self, cand: Candidate) -> int:
+        return sum(1 for k, v in self.fams[cand.family].off.items() if cand.params.get(k) == v)
 
     def samples_for(self, cand: Candidate) -> int:
         return self.settings.samples * (REMEASURE_SAMPLE_FACTOR if cand.round else 1)
@@ -234,7 +254,8 @@ class ProblemSearch:
             return r.median_us - best.median_us <= max(half, 0.005 * best.median_us)
 
         ties = sorted((r for r in final if tied(r)),
-                      key=lambda r: (self.fams[r.candidate.family].priority, r.candidate.family, r.candidate.key))
+                      key=lambda r: (self.fams[r.candidate.family].priority, -self._n_off(r.candidate),
+                                     r.candidate.family, r.candidate.key))
         win = ties[0]
         safe = self.families[0]
         d = self.results.get((safe.name, params_key(safe.default_config(self.problem).params()), 1)) or \
