@@ -76,6 +76,7 @@ def main() -> None:
     sms_list = [int(v) for v in args.shared_sms.split(",")]
     pf_list = [int(v) for v in args.prefetch_mib.split(",")]
     streams = {n: green_partition(n).stream for n in sms_list if n}
+    even_sms = torch.cuda.get_device_properties(0).multi_processor_count // 2 // 8 * 8  # 64 of an H200's 132
     bw = copy_bandwidth()
     print(f"# {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s, table {sel.hash}, collectives: "
           f"{'emulated, no link time' if args.link == 'none' else 'emulated, stand-ins timed by ' + args.link + ' NVLink'}")
@@ -92,15 +93,23 @@ def main() -> None:
                 row = {"tp": tp, "batch": batch, "routing": routing, "touched": touched}
                 variants = [("stock", "bf16", None, 0)] + [("tuned", f, n, p) for f in args.fmts.split(",")
                                                           for n in sms_list for p in pf_list]
-                variants += [("served", f, None, 0) for f in args.fmts.split(",") if args.served]
+                # served: the database's block choice; served_serial / served_even: the same knobs with the
+                # shared experts serial (0 SMs) or on an even split (the SM-split bar compares against both)
+                variants += [(v, f, None, 0) for f in args.fmts.split(",") if args.served
+                             for v in ("served", "served_serial", "served_even")]
                 for path, fmt, sms, pf in variants:
                     name = f"{path}_{fmt}" + ("" if sms is None else f"_sms{sms}_pf{pf}")
                     comm = EmulatedComm(tp) if args.link == "none" else EmulatedComm.for_target(args.link, tp)
                     try:
-                        blocks = [MoEBlock.serve(w, sel, batch, comm=comm) if path == "served" else
-                                  MoEBlock.build(w, path, batch=batch, selector=sel, prefetch_mib=pf,
-                                                 shared_stream=streams.get(sms), comm=comm)
-                                  for w in layers[fmt]]
+                        if path.startswith("served_"):
+                            knobs = served_knobs(sel, tp, batch, 0 if path == "served_serial" else even_sms)
+                            blocks = [MoEBlock.build(w, "tuned", batch=batch, selector=sel, comm=comm, **knobs)
+                                      for w in layers[fmt]]
+                        else:
+                            blocks = [MoEBlock.serve(w, sel, batch, comm=comm) if path == "served" else
+                                      MoEBlock.build(w, path, batch=batch, selector=sel, prefetch_mib=pf,
+                                                     shared_stream=streams.get(sms), comm=comm)
+                                      for w in layers[fmt]]
                         for b in blocks:
                             b.force_top = top
                         t = time_blocks(blocks, x, args.samples)
@@ -137,6 +146,19 @@ def main() -> None:
                                           "rows": rows}, indent=1))
 
 
+def served_knobs(sel, tp: int, batch: int, shared_sms: int) -> dict:
+    """The served moe.overlap choice's executor knobs with the shared-expert SMs replaced."""
+    import dataclasses
+
+    from k3tune.errors import ConfigError
+    from k3tune.kernels import family
+
+    choice = sel.lookup("moe.block", tp, batch)
+    if choice.family != "moe.overlap":
+        raise ConfigError(f"the served block is {choice.family} ({choice.source}), not moe.overlap")
+    return family("moe.overlap").block_knobs(dataclasses.replace(choice.config(), shared_sms=shared_sms))
+
+
 def summarize(rows: list[dict], sms_list: list[int], pf_list: list[int], fmt: str) -> dict:
     """Per configuration: speedup of the best tuned variant over stock; whether the best SM split (other
     than 0 = serial and 64 = even) beats both; the prefetch gain (best prefetch > 0 vs off, same split)."""
@@ -160,12 +182,23 @@ def summarize(rows: list[dict], sms_list: list[int], pf_list: list[int], fmt: st
                                        if "us" in r.get(f"served_{fmt}", {}) else None),
                     "served_roof": (r[f"served_{fmt}"]["floor_us"] / r[f"served_{fmt}"]["us"]
                                     if "us" in r.get(f"served_{fmt}", {}) else None),
+                    "served_split_beats_serial_and_even": _beats(r, f"served_{fmt}", f"served_serial_{fmt}",
+                                                                 f"served_even_{fmt}"),
                     "split_beats_serial_and_even": (bool(split) and serial is not None and even is not None
                                                     and min(split) < min(serial, even)),
                     "prefetch_gain": gains})
     n = len(out)
+    served = [o["served_split_beats_serial_and_even"] for o in out if o["served_split_beats_serial_and_even"] is not None]
     return {"configs": n, "split_wins_fraction": sum(o["split_beats_serial_and_even"] for o in out) / n if n else None,
+            "served_split_wins_fraction": sum(served) / len(served) if served else None,
             "per_config": out}
+
+
+def _beats(row: dict, a: str, *others: str) -> bool | None:
+    """a faster than every other beyond the run-to-run spread (half IQRs), None where one did not run."""
+    if "us" not in row.get(a, {}) or any("us" not in row.get(o, {}) for o in others):
+        return None
+    return all(row[a]["us"] + row[a]["iqr"] / 2 < row[o]["us"] - row[o]["iqr"] / 2 for o in others)
 
 
 if __name__ == "__main__":
