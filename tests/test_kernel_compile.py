@@ -74,3 +74,14 @@ def test_tensor_core_expert_kernels_compile(arch):
                             ("w2", (1, 4, 1, 1, 2, 0.0, 0.0)), ("w2", (2, 2, 2, 2, 1, 0.0, 0.0))]:
             for fmt in ("bf16", "mxfp4"):
                 assert tc_kernel(kind, knobs, fmt, arch) is not None, (kind, knobs, fmt)
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_one_shot_allreduce_compiles(arch):
+    """The fused one-shot all-reduce + residual (+ RMSNorm) kernel for groups of 2, 4 and 8."""
+    from k3tune.kernels.allreduce import compiled as ar_kernel
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        for group, norm, per in [(2, False, 1), (4, True, 2), (8, True, 2)]:
+            assert ar_kernel(group, norm, 1e-6, per, arch) is not None, (group, norm)
