@@ -4,6 +4,7 @@
 # Usage (device tool, carry [".carry", ".device"]):
 #   bash bench/h200_session.sh [tests] [sweep] [bench] [moetests] [moebench] [moesweep] [moeserved]
 # moeserved: the MoE sweep's winners merged into a copy of tuning_db/h200.sqlite, then bench/moe.py --served
+# moetc: the tensor-core expert kernels' GPU tests, then bench/moe_experts.py (MOE_EXPERTS_ARGS)
 set -uo pipefail
 source .carry/cutedsl/unpack.sh || exit 1
 mkdir -p .device
@@ -26,6 +27,10 @@ for step in "$@"; do
              --db .device/h200-moe.sqlite 2>&1 | tee $OUT/moe-sweep.log | tail -25
            python3 -c "import sqlite3; c=sqlite3.connect('.device/h200-moe.sqlite'); c.execute('PRAGMA wal_checkpoint(TRUNCATE)')"
            cp .device/h200-moe.sqlite $OUT/ ;;
+    moetc) timeout ${TESTS_S:-300} python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu_moe_tc.py 2>&1 \
+             | tee $OUT/gpu-moe-tc-tests.log | tail -15
+           (cd bench && timeout ${BENCH_S:-300} python3 moe_experts.py --out $OUT/bench-moe-experts.json \
+             ${MOE_EXPERTS_ARGS:-}) 2>&1 | tee $OUT/bench-moe-experts.log | grep -v "^ \|^{\|^}" ;;
     moeserved) python3 -c "from k3tune.store.db import Database; from k3tune.store.transfer import merge; \
                merge('.device/served.sqlite', [Database('tuning_db/h200.sqlite'), Database('.device/h200-moe.sqlite')])"
            (cd bench && timeout ${BENCH_S:-300} python3 moe.py --db ../.device/served.sqlite --served \
