@@ -61,3 +61,33 @@ def test_tensor_core_expert_kernels_match_torch(b, k, experts, inter, latent, fm
         out_ref = wts.reshape(-1, 1) * torch.einsum("tn,tkn->tk", act.float(), w2_ref[e_ids])
         assert ((out - out_ref).norm() / out_ref.norm()).item() < 1e-2, knob
 
+
+
+def test_a_kernel_loaded_from_the_disk_cache_runs_like_the_compiled_one(tmp_path, monkeypatch):
+    """The cache's loaded object launches on the GPU and gives bit-identical results (and captures)."""
+    import torch
+
+    from k3tune.kernels import moe_experts, moe_experts_tc
+    from k3tune.kernels.moe_experts import Groups
+    from k3tune.kernels.moe_experts_tc import TcExpertConfig
+
+    monkeypatch.setenv("K3TUNE_KERNEL_CACHE", str(tmp_path))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    b, k, experts, inter, latent = 8, 4, 16, 64, 256
+    y = torch.randn(b, experts + latent, device="cuda", generator=g).to(torch.bfloat16)
+    x = y[:, experts:].contiguous()
+    w13 = (torch.randn(experts, 2 * inter, latent, device="cuda", generator=g) / 16).to(torch.bfloat16)
+    cfg = TcExpertConfig(1, 2, 2, 1, 2)
+    outs = []
+    for _ in range(2):  # compiled (and written), then loaded from the file
+        moe_experts_tc.compiled.cache_clear()
+        grp = Groups.allocate(experts, b, k, cfg.tokens, "cuda")
+        top = torch.full((b, k), -1, dtype=torch.int32, device="cuda")
+        wts = torch.empty(b, k, device="cuda")
+        moe_experts.route(y, torch.zeros(experts, device="cuda"), top, wts, k, 1.0, grp)
+        act = torch.full((b * k, inter), float("nan"), dtype=torch.bfloat16, device="cuda")
+        moe_experts_tc.run_w13(cfg, x, w13, act, wts, grp, 4.0, 25.0)
+        torch.cuda.synchronize()
+        outs.append(act.clone())
+    assert list(tmp_path.glob("moe_tc_w13-*.o"))
+    assert not torch.isnan(outs[1]).any() and torch.equal(outs[0], outs[1])

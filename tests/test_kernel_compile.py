@@ -9,6 +9,13 @@ import warnings
 
 import pytest
 
+
+@pytest.fixture(autouse=True)
+def _no_kernel_cache(monkeypatch):
+    """These tests prove that kernels compile: never let them load a cached object instead."""
+    monkeypatch.setenv("K3TUNE_KERNEL_CACHE", "off")
+
+
 pytest.importorskip("cutlass")
 
 from k3tune.kernels import gemm_splitk_tc  # noqa: E402

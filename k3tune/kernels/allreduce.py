@@ -53,8 +53,13 @@ def compiled(group: int, norm: bool, eps: float, per: int, arch: str):
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream
 
-    kern = _kernel_class()(group, norm, eps, per)
-    return cute.compile(kern, *_fake_args(group, norm, arch), make_fake_stream(), options=f"--gpu-arch {arch}")
+    from k3tune.kernels.compile_cache import cached_compile
+
+    def build():
+        kern = _kernel_class()(group, norm, eps, per)
+        return cute.compile(kern, *_fake_args(group, norm, arch), make_fake_stream(), options=f"--gpu-arch {arch}")
+
+    return cached_compile("allreduce", (group, norm, eps, per, arch), (__name__,), build)
 
 
 def one_shot(peers: list, residual, out, norm_weight=None, normed=None, eps: float = 1e-6, stream=None):

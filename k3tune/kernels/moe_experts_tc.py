@@ -106,8 +106,13 @@ def compiled(kind: str, knobs: tuple, fmt: str, arch: str):
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream
 
-    kern = _kernel_class()(kind, fmt, *knobs)
-    return cute.compile(kern, *_fake_args(kind, fmt, arch), make_fake_stream(), options=f"--gpu-arch {arch}")
+    from k3tune.kernels.compile_cache import cached_compile
+
+    def build():
+        kern = _kernel_class()(kind, fmt, *knobs)
+        return cute.compile(kern, *_fake_args(kind, fmt, arch), make_fake_stream(), options=f"--gpu-arch {arch}")
+
+    return cached_compile(f"moe_tc_{kind}", (knobs, fmt, arch), (__name__, "k3tune.kernels.moe_experts"), build)
 
 
 def run_w13(cfg: TcExpertConfig, latent, w13, act, weights, groups, beta: float, linear_beta: float,

@@ -1,0 +1,95 @@
+"""Compiled CuTe DSL kernels cached on disk, shared by every process of a machine: the sweep's GPU workers
+(each otherwise recompiles what another already compiled: compilation was 73% of a measured 1-GPU sweep),
+resumed sweeps and serving start-up.
+
+A kernel is keyed by its kind, its compile-time knobs, the target arch, the DSL version and the source of
+the modules that generate it: change any and it is a different file. Entries are ELF objects written by the
+DSL (``dump_to_object``: host launch code + cubin), written to a temporary file and renamed (a crashed
+writer leaves no partial entry), and loaded with ``cute.runtime.load_module``. The cache is an optimisation:
+an entry that cannot be written or loaded is compiled again, never an error.
+
+``K3TUNE_KERNEL_CACHE``: the directory (default ``~/.cache/k3tune/kernels``); ``off`` disables it.
+
+Status: the dump/load round trip is tested on the CPU (tests/test_compile_cache.py); the tensor-core expert
+kernels and the fused all-reduce use it; launching a loaded kernel on a GPU is checked by their GPU tests.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import inspect
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+
+def cache_dir() -> Path | None:
+    v = os.environ.get("K3TUNE_KERNEL_CACHE", "")
+    if v.lower() == "off":
+        return None
+    return Path(v) if v else Path.home() / ".cache" / "k3tune" / "kernels"
+
+
+def entry_name(kind: str, key: tuple, modules: tuple[str, ...]) -> str:
+    import cutlass
+
+    src = "".join(_source(m) for m in modules)
+    h = hashlib.sha256(repr((kind, key, getattr(cutlass, "__version__", ""), src)).encode()).hexdigest()[:24]
+    return f"{kind}-{h}"
+
+
+def cached_compile(kind: str, key: tuple, modules: tuple[str, ...], compile_fn: Callable):
+    """``compile_fn()`` (a ``cute.compile`` call), or the same kernel loaded from the disk cache."""
+    root = cache_dir()
+    if root is None:
+        return compile_fn()
+    name = entry_name(kind, key, modules)
+    prefix = "k3t_" + name.replace("-", "_").replace(".", "_")
+    path = root / f"{name}.o"
+    if path.exists():
+        try:
+            from cutlass.cute.runtime import load_module
+
+            _runtime_for_cpu()
+            return getattr(load_module(str(path)), prefix)
+        except Exception:  # unreadable or from another DSL build: compile it again (and replace it)
+            path.unlink(missing_ok=True)
+    fn = compile_fn()
+    try:
+        _runtime_for_cpu()
+        data = fn.dump_to_object(prefix)
+        root.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=root, prefix=f".{name}.", suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)  # atomic: concurrent writers of one entry leave one whole file
+    except Exception:  # caching is an optimisation: the compiled kernel is returned regardless
+        pass
+    return fn
+
+
+@functools.cache
+def _source(module: str) -> str:
+    import importlib
+
+    return inspect.getsource(importlib.import_module(module))
+
+
+@functools.cache
+def _runtime_for_cpu() -> None:
+    """On a machine without a GPU the DSL's host code needs its runtime library loaded globally to be dumped
+    or loaded (on a GPU machine the CUDA runtime provides those symbols: nothing is loaded there)."""
+    import ctypes
+
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    import nvidia_cutlass_dsl
+
+    for base in nvidia_cutlass_dsl.__path__:  # a namespace package
+        for lib in sorted(Path(base).glob("cu*/lib/libcute_dsl_runtime.so")):
+            ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)
+            return
