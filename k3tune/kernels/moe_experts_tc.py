@@ -23,7 +23,8 @@ Scales above 2^1 are refused by ``check_scales`` (bf16 cannot hold the 2^(s-1) m
 scales are far below).
 
 Status: compiles on the CPU for sm_90a and sm_100a (tests/test_kernel_compile.py); GPU numerics in
-tests/test_gpu_moe_tc.py, not yet run; not yet used by the block executor (runtime/moe.py).
+tests/test_gpu_moe_tc.py, not yet run; the block executor (runtime/moe.py) runs them when the block's
+``experts_kernel`` knob says so, and always for MXFP4 experts.
 """
 
 import functools
@@ -46,6 +47,12 @@ class TcExpertConfig:
     @property
     def tokens(self) -> int:
         return 8 * self.n_tiles
+
+
+def default_config(tokens: int) -> tuple:
+    """(w13 config, w2 config, tokens per item) where no tuned choice gives them."""
+    per = min(8, max(1, tokens))
+    return TcExpertConfig(1, 2, 2, 1, 2), TcExpertConfig(1, 4, 1, 1, 2), per
 
 
 def check(cfg: TcExpertConfig, groups, k: int, fmt: str) -> None:

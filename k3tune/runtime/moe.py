@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from k3tune.errors import ConfigError
-from k3tune.kernels import moe_experts, mxfp4
+from k3tune.kernels import moe_experts, moe_experts_tc, mxfp4
 from k3tune.kernels.l2_prefetch import prefetch
 
 
@@ -319,10 +319,14 @@ class MoEBlock:
                 blk.ran["shared"] = f"side stream {getattr(shared_stream, 'k3tune_label', '')}".strip()
             else:
                 blk.ran["shared"] = "serial, after the routed experts"
-        can_cute = path == "tuned" and w.fmt == "bf16" and w.w_rl.is_cuda
+        cfg = experts_cfg or (moe_experts_tc.default_config(tokens) if w.fmt == "mxfp4"
+                              else moe_experts.default_config(tokens))
+        tensor_core = isinstance(cfg[0], moe_experts_tc.TcExpertConfig)
+        can_cute = path == "tuned" and w.w_rl.is_cuda and (w.fmt == "bf16" or tensor_core)
         experts = experts or ("cute" if can_cute else "grouped_mm")
         if experts == "cute" and not can_cute:
-            raise ConfigError("the CuTe grouped-expert kernels run bf16 experts on a GPU, on the tuned path")
+            raise ConfigError("the CuTe expert kernels run on a GPU on the tuned path; MXFP4 experts need the "
+                              "tensor-core kernels")
         if experts not in ("cute", "grouped_mm"):
             raise ConfigError(f"expert implementation {experts!r}: expected cute or grouped_mm")
         blk._cache["experts"] = experts
@@ -330,8 +334,11 @@ class MoEBlock:
         blk._cache["w2_t"] = None if w.fmt == "mxfp4" else w.w2.transpose(1, 2)
         if experts == "cute":
             k = weights.shape.top_k
-            blk._cache["cfg13"], blk._cache["cfg2"], per = experts_cfg or moe_experts.default_config(tokens)
+            blk._cache["cfg13"], blk._cache["cfg2"], per = cfg
             blk._cache["groups"] = moe_experts.Groups.allocate(weights.shape.experts, tokens, k, per, dev)
+            if w.fmt == "mxfp4":
+                moe_experts_tc.check_scales(w.w13[1])
+                moe_experts_tc.check_scales(w.w2[1])
             blk._cache["top"] = torch.empty(tokens, k, dtype=torch.int32, device=dev)
             blk._cache["wts"] = torch.empty(tokens, k, dtype=torch.float32, device=dev)
             blk._cache["act"] = torch.empty(tokens * k, weights.shape.inter // w.tp, dtype=torch.bfloat16, device=dev)
@@ -340,9 +347,12 @@ class MoEBlock:
             blk._cache["shared_act"] = torch.empty(tokens, weights.shape.shared_inter // w.tp, dtype=torch.bfloat16,
                                                    device=dev)
             blk.ran["routing"] = "k3tune route kernel (CuTe DSL): sigmoid + bias top-k, renormalised"
-            blk.ran["experts"] = (f"k3tune expert-grouped GEMVs (CuTe DSL) bf16, up to {per} tokens per expert "
-                                  f"read: w13+SiTU {blk._cache['cfg13']}, w2 {blk._cache['cfg2']}; slot sum + "
-                                  "RMSNorm kernel; shared SiTU kernel")
+            kind = ("tensor-core grouped GEMMs (CuTe DSL, mma.sync" +
+                    (", MXFP4 dequantised in registers)" if w.fmt == "mxfp4" else ") bf16") if tensor_core
+                    else "expert-grouped GEMVs (CuTe DSL) bf16")
+            blk.ran["experts"] = (f"k3tune {kind}, up to {per} tokens per expert read: w13+SiTU "
+                                  f"{blk._cache['cfg13']}, w2 {blk._cache['cfg2']}; slot sum + RMSNorm kernel; "
+                                  "shared SiTU kernel")
         else:
             blk.ran["experts"] = ("torch._grouped_mm bf16" if w.fmt == "bf16"
                                   else "MXFP4 dequantised (torch reference) + torch._grouped_mm")
@@ -356,14 +366,15 @@ class MoEBlock:
         too. ``ran['block']`` says which choice was served and from where."""
         choice = selector.lookup("moe.block", weights.tp, batch, draft)
         p = dict(choice.params)
-        if choice.family == "moe.overlap" and weights.fmt == "bf16" and weights.w_rl.is_cuda:
+        tc_ok = weights.fmt == "bf16" or dict(choice.params).get("experts_kernel") == "tensor_core"
+        if choice.family == "moe.overlap" and weights.w_rl.is_cuda and tc_ok:
             from k3tune.kernels import family
 
             knobs = family(choice.family).block_knobs(choice.config())  # the same mapping the sweep measured
             blk = cls.build(weights, "tuned", batch, draft, selector=selector, comm=comm, **knobs)
         elif weights.fmt == "bf16" and choice.family == "moe.stock":
             blk = cls.build(weights, "stock", batch, draft, comm=comm)
-        else:  # MXFP4 (no tuned GPU kernel yet) or a CPU: the tuned path with its defaults, labelled
+        else:  # a CPU, or a choice that cannot run these weights: the tuned path with its defaults, labelled
             blk = cls.build(weights, "tuned", batch, draft, selector=selector, comm=comm)
         blk.ran["block"] = f"{choice.family} {json.dumps(p, sort_keys=True)} ({choice.source})"
         return blk
@@ -415,9 +426,16 @@ class MoEBlock:
         g = c["groups"]
         moe_experts.route(y, w.bias, c["top"], c["wts"], shape.top_k, shape.scaling, g, forced=forced)
         self.last_top = c["top"]
-        moe_experts.run_w13(c["cfg13"], latent, w.w13, c["act"], c["wts"], g, shape.situ_beta,
-                            shape.situ_linear_beta)
-        moe_experts.run_w2(c["cfg2"], c["act"], w.w2, c["per_slot"], c["wts"], g)
+        if isinstance(c["cfg13"], moe_experts_tc.TcExpertConfig):
+            fp4 = w.fmt == "mxfp4"
+            moe_experts_tc.run_w13(c["cfg13"], latent, w.w13[0] if fp4 else w.w13, c["act"], c["wts"], g,
+                                   shape.situ_beta, shape.situ_linear_beta, scales=w.w13[1] if fp4 else None)
+            moe_experts_tc.run_w2(c["cfg2"], c["act"], w.w2[0] if fp4 else w.w2, c["per_slot"], c["wts"], g,
+                                  scales=w.w2[1] if fp4 else None)
+        else:
+            moe_experts.run_w13(c["cfg13"], latent, w.w13, c["act"], c["wts"], g, shape.situ_beta,
+                                shape.situ_linear_beta)
+            moe_experts.run_w2(c["cfg2"], c["act"], w.w2, c["per_slot"], c["wts"], g)
         self.comm._occupy(c["per_slot"])
         moe_experts.sum_norm(c["per_slot"], w.norm, c["normed"], shape.top_k, shape.rms_eps / self.comm.tp ** 2, g)
         return c["normed"]
