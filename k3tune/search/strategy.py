@@ -58,6 +58,9 @@ def _flat(fam: KernelFamily, cfg: KernelConfig) -> dict:
     return {"family": fam.name, **{f"{fam.name}:{k}": v for k, v in cfg.params().items()}}
 
 
+ENUMERATE_LIMIT = 50_000  # declared configs beyond which a space is sampled, never listed
+
+
 @dataclass
 class ProblemSearch:
     problem: Problem
@@ -74,8 +77,13 @@ class ProblemSearch:
         self._dispatched: list[tuple[str, str, int]] = []  # handed out, not yet absorbed, in order
         self._arrived: dict[tuple[str, str, int], tuple] = {}  # results waiting for an earlier one
         self.space = {f.name: f.space(self.problem) for f in self.families}
-        self.all_configs = [(f, c) for f in self.families for c in f.configs(self.problem)]
-        self.exhaustive = len(self.all_configs) <= self.settings.budget
+        # enumerate (and filter by validity) only spaces small enough to be searched exhaustively; a larger
+        # declared space is counted, never listed (a block's joint space runs to billions of points)
+        declared = sum(f.space_size(self.problem) for f in self.families)
+        self.all_configs = ([(f, c) for f in self.families for c in f.configs(self.problem)]
+                            if declared <= ENUMERATE_LIMIT else [])
+        self.n_configs = len(self.all_configs) if declared <= ENUMERATE_LIMIT else declared
+        self.exhaustive = self.n_configs <= self.settings.budget
         self.queue: list[Candidate] = []
         self.asks = 0
         self.best = math.inf
@@ -169,7 +177,7 @@ class ProblemSearch:
                     self._dispatch((cand.family, cand.key, 0))
                     return cand
             search_over = (self.measured >= self.settings.budget or self.since_gain >= self.settings.patience
-                           or self.exhaustive or len(self.results) >= len(self.all_configs))
+                           or self.exhaustive or len(self.results) >= self.n_configs)
             if not search_over:
                 if self.in_flight:
                     return None  # TPE learns from each result: one candidate at a time
