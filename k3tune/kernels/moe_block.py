@@ -266,7 +266,7 @@ class MoeOverlap(_BlockOnGpu, KernelFamily):
                        ctas=int(m * problem["top_k"] * n_tiles), inflight_bytes_per_cta=cfg.w13_warps * 32 * 16 * 2 *
                        cfg.w13_rows * cfg.w13_unroll, tensor_cores=False, launches=4, sm_limit=routed_sms,
                        ctas_per_sm=max(1, 16 // cfg.w13_warps), extra_us=0.02 * cfg.w2_rows / cfg.w2_warps)
-        up = _gemm_work(m, hid, lat, 112, 16384, True, launches=2, sm_limit=routed_sms)
+        up = _gemm_work(m, hid, lat // tp, 112, 16384, True, launches=2, sm_limit=routed_sms)
         routed = roofline_us(experts, hw) + roofline_us(up, hw)
         shared_w = [_gemm_work(m, 2 * sh // 1, hid, 96, 16384, True, sm_limit=cfg.shared_sms or sms),
                     _gemm_work(m, hid, sh, 56, 16384, True, sm_limit=cfg.shared_sms or sms)]

@@ -116,7 +116,10 @@ OPS: dict[str, OpDef] = {
             _m(d, s), _per_rank(2 * c.shared_intermediate, d.tp, "the shared-expert width"), c.hidden)),
         OpDef("moe.shared_w2", "gemm", "moe", lambda c, d, s: _gemm(
             _m(d, s), c.hidden, _per_rank(c.shared_intermediate, d.tp, "the shared-expert width"))),
-        OpDef("moe.latent_up", "gemm", "moe", lambda c, d, s: _gemm(_m(d, s), c.hidden, c.latent)),
+        # row-parallel: each rank multiplies its slice of the normed latent; the partial sums join the shared
+        # experts' in the block's final all-reduce
+        OpDef("moe.latent_up", "gemm", "moe", lambda c, d, s: _gemm(
+            _m(d, s), c.hidden, _per_rank(c.latent, d.tp, "the latent width"))),
         OpDef("moe.block", "moe_block", "moe", lambda c, d, s: (
             ("tp", d.tp), ("M", _m(d, s)), ("experts", c.num_experts), ("top_k", c.top_k),
             ("latent", c.latent), ("inter", _per_rank(c.moe_intermediate, d.tp, "the expert width")),
