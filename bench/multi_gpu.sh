@@ -2,14 +2,18 @@
 # Multi-GPU checks of issue 5 on an N-GPU device: the same problems swept on 1 GPU and on N (throughput,
 # winners compared later with `k3tune db diff`), then an N-GPU sweep with one worker killed -9 mid-run.
 # Usage (device tool, kind nvidia-h200-x2, carry [".carry"]): bash bench/multi_gpu.sh [N] [SPEC]
+# K3TUNE_WORKER_KERNEL_CACHE=1: workers share compiled kernels through the disk cache (each sweep below
+# starts from an empty cache directory, so the 1- and N-GPU runs compile alike)
 set -uo pipefail
 source .carry/cutedsl/unpack.sh || exit 1
 N=${1:-2}; SPEC=${2:-configs/sweep_h200_scaling.toml}
 nvidia-smi --query-gpu=index,name,clocks.sm,temperature.gpu --format=csv | tee $OUT/gpu.txt
 for g in 1 $N; do
+  export K3TUNE_KERNEL_CACHE=$(mktemp -d)
   timeout ${SWEEP_S:-120} python3 bench/device_sweep.py --spec $SPEC --db $OUT/gpus$g.sqlite --gpus $g \
     > $OUT/gpus$g.log 2>&1; echo "gpus=$g rc=$?"; grep -E '"(trials|seconds|failed|problems_done|workers_replaced)"' $OUT/gpus$g.log
 done
+export K3TUNE_KERNEL_CACHE=$(mktemp -d)
 timeout ${SWEEP_S:-120} python3 bench/device_sweep.py --spec $SPEC --db $OUT/killed.sqlite --gpus $N \
   > $OUT/killed.log 2>&1 &
 P=$!

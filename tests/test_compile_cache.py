@@ -60,3 +60,27 @@ def test_the_key_covers_knobs_and_sources():
     a = entry_name("allreduce", (2, False), ("k3tune.kernels.allreduce",))
     assert a != entry_name("allreduce", (4, False), ("k3tune.kernels.allreduce",))
     assert a != entry_name("allreduce", (2, False), ("k3tune.kernels.allreduce", "k3tune.kernels.moe_experts"))
+
+
+def test_install_puts_an_unedited_kernel_module_behind_the_cache(cache, monkeypatch):
+    """What a sweep worker does with K3TUNE_WORKER_KERNEL_CACHE=1: the module's own compiled() now writes
+    and reads the disk cache, without an edit to the module (whose source keys its shipped winners)."""
+    import cutlass.cute as cute
+
+    from k3tune.kernels import l2_prefetch
+    from k3tune.kernels.compile_cache import install
+
+    monkeypatch.setattr(l2_prefetch, "compiled", l2_prefetch.compiled)  # restored after the test
+    mods = {"k3tune.kernels.l2_prefetch": ("k3tune.kernels.l2_prefetch",)}
+    assert install(mods) == ["k3tune.kernels.l2_prefetch"] and install(mods) == ["k3tune.kernels.l2_prefetch"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        assert callable(l2_prefetch.compiled("sm_90a"))
+    assert list(cache.glob("l2_prefetch-*.o"))
+    l2_prefetch.compiled.cache_clear()
+
+    def no_compile(*a, **k):
+        raise AssertionError("compiled again instead of loaded from the cache")
+
+    monkeypatch.setattr(cute, "compile", no_compile)
+    assert callable(l2_prefetch.compiled("sm_90a"))

@@ -9,6 +9,8 @@ writer leaves no partial entry), and loaded with ``cute.runtime.load_module``. T
 an entry that cannot be written or loaded is compiled again, never an error.
 
 ``K3TUNE_KERNEL_CACHE``: the directory (default ``~/.cache/k3tune/kernels``); ``off`` disables it.
+Modules behind shipped winners are not edited to use it: ``install()`` routes their ``compiled`` through it
+per process (sweep workers, with ``K3TUNE_WORKER_KERNEL_CACHE=1``).
 
 Status: the dump/load round trip is tested on the CPU (tests/test_compile_cache.py); the tensor-core expert
 kernels and the fused all-reduce use it; launching a loaded kernel on a GPU is checked by their GPU tests.
@@ -68,6 +70,41 @@ def cached_compile(kind: str, key: tuple, modules: tuple[str, ...], compile_fn: 
     except Exception:  # caching is an optimisation: the compiled kernel is returned regardless
         pass
     return fn
+
+
+# kernel modules whose ``compiled(...)`` (hashable knobs + arch) can be put behind the cache without editing
+# them (editing a family's module re-keys its shipped winners), and the sources that generate their code
+KERNEL_MODULES = {
+    "k3tune.kernels.gemm_smallm": ("k3tune.kernels.gemm_smallm", "k3tune.kernels.gemm_common"),
+    "k3tune.kernels.gemm_splitk_tc": ("k3tune.kernels.gemm_splitk_tc", "k3tune.kernels.gemm_common"),
+    "k3tune.kernels.moe_experts": ("k3tune.kernels.moe_experts",),
+    "k3tune.kernels.l2_prefetch": ("k3tune.kernels.l2_prefetch",),
+}
+
+
+def install(modules: dict[str, tuple[str, ...]] | None = None) -> list[str]:
+    """Route these modules' ``compiled`` through the disk cache, in this process (a sweep worker calls it
+    when K3TUNE_WORKER_KERNEL_CACHE=1: opt-in until loaded kernels have been checked on a GPU). Returns the
+    modules patched; idempotent."""
+    import importlib
+
+    done = []
+    for name, sources in (modules or KERNEL_MODULES).items():
+        mod = importlib.import_module(name)
+        if getattr(mod.compiled, "_k3tune_cached", False):
+            done.append(name)
+            continue
+        inner = getattr(mod.compiled, "__wrapped__", mod.compiled)
+        kind = name.rsplit(".", 1)[-1]
+
+        def wrapped(*args, _inner=inner, _kind=kind, _sources=sources):
+            return cached_compile(_kind, args, _sources, lambda: _inner(*args))
+
+        cached = functools.cache(wrapped)
+        cached._k3tune_cached = True
+        mod.compiled = cached  # the module's own calls look the name up at call time
+        done.append(name)
+    return done
 
 
 @functools.cache

@@ -58,6 +58,10 @@ class GpuBackend:
             raise RuntimeError("GpuBackend needs a CUDA GPU")
         torch.cuda.init()
         self.device = torch.device("cuda", torch.cuda.current_device())
+        if os.environ.get("K3TUNE_WORKER_KERNEL_CACHE") == "1":  # share compiled kernels with the other workers
+            from k3tune.kernels.compile_cache import install
+
+            install()
 
     def measure(self, task: Task) -> Outcome:
         import torch
