@@ -19,16 +19,12 @@ multi-GPU machine (bench/allreduce.py), not yet run.
 import functools
 import os
 
+from k3tune.kernels.gemm_smallm import current_arch
+
 VEC = 8  # bf16 per 16-byte vector
 MAX_GROUP = 8
 THREADS = 256
 NORM_THREADS = 512
-
-
-def current_arch() -> str:
-    from k3tune.kernels.gemm_smallm import current_arch as arch
-
-    return arch()
 
 
 def _fake_args(group: int, norm: bool, arch: str):

@@ -31,6 +31,8 @@ import functools
 import os
 from dataclasses import dataclass
 
+from k3tune.kernels.gemm_smallm import current_arch
+
 VEC = 8  # bf16 per 16-byte vector
 FP4_BLOCK = 32  # codes per scale (and per 16-byte vector)
 MAX_SCALE_BYTE = 128  # 2^(s - 1) must be a normal bf16
@@ -75,12 +77,6 @@ def check_scales(scales) -> None:
     if top > MAX_SCALE_BYTE:
         raise ConfigError(f"MXFP4 scale byte {top} (2^{top - 127}) is above 2^1: not supported by the "
                           "tensor-core expert kernel")
-
-
-def current_arch() -> str:
-    from k3tune.kernels.gemm_smallm import current_arch as arch
-
-    return arch()
 
 
 def _fake_args(kind: str, fmt: str, arch: str):

@@ -3,7 +3,8 @@ valid config when the space fits the budget; then the best few are measured agai
 with noise in mind.
 
 Every family's heuristic default is tried first (so the safe baseline is always measured), then configs
-that won on neighbouring problems in earlier runs (warm start; never from this run, so the worker count cannot change a result). Results already in the database are fed back in, never
+that won on neighbouring problems in earlier runs (warm start; never from this run, so the worker count
+cannot change a result). Results already in the database are fed back in, never
 measured twice. Early stopping: no 1% gain over ``patience`` measured trials.
 """
 
@@ -79,10 +80,12 @@ class ProblemSearch:
         self.space = {f.name: f.space(self.problem) for f in self.families}
         # enumerate (and filter by validity) only spaces small enough to be searched exhaustively; a larger
         # declared space is counted, never listed (a block's joint space runs to billions of points)
-        declared = sum(f.space_size(self.problem) for f in self.families)
-        self.all_configs = ([(f, c) for f in self.families for c in f.configs(self.problem)]
-                            if declared <= ENUMERATE_LIMIT else [])
-        self.n_configs = len(self.all_configs) if declared <= ENUMERATE_LIMIT else declared
+        declared = sum(math.prod(len(v) for v in sp.values()) for sp in self.space.values())
+        if declared <= ENUMERATE_LIMIT:
+            self.all_configs = [(f, c) for f in self.families for c in f.configs(self.problem)]
+            self.n_configs = len(self.all_configs)
+        else:
+            self.all_configs, self.n_configs = [], declared
         self.exhaustive = self.n_configs <= self.settings.budget
         self.queue: list[Candidate] = []
         self.asks = 0
@@ -197,7 +200,7 @@ class ProblemSearch:
             self.queue = [Candidate(r.candidate.family, r.candidate.params, r.candidate.key, 1) for r in finalists]
             if finalists:  # the leader with its optional features off: does the feature pay beyond noise?
                 plain = self._switched_off(finalists[0].candidate)
-                if plain is not None and all(c.key != plain.key or c.family != plain.family for c in self.queue):
+                if plain is not None and (plain.family, plain.key) not in {(c.family, c.key) for c in self.queue}:
                     self.queue.append(plain)
         if self.phase == "remeasure":
             while self.queue:
