@@ -22,9 +22,10 @@ the sign to bit 15: the value times 2^-126, E2M1's two subnormal codes landing o
 Scales above 2^1 are refused by ``check_scales`` (bf16 cannot hold the 2^(s-1) multiplier; K3's weight
 scales are far below).
 
-Status: compiles on the CPU for sm_90a and sm_100a (tests/test_kernel_compile.py); GPU numerics in
-tests/test_gpu_moe_tc.py, not yet run; the block executor (runtime/moe.py) runs them when the block's
-``experts_kernel`` knob says so, and always for MXFP4 experts.
+Status: compiles on the CPU for sm_90a and sm_100a (tests/test_kernel_compile.py); GPU numerics
+(tests/test_gpu_moe_tc.py) pass on the H200 for bf16 and MXFP4 at K3's shapes (2026-11-29, session 4).
+Speed against the CUDA-core kernels: bench/moe_experts.py (bench/results/2026-11-29-s4-r1-moe-experts.log). The block executor (runtime/moe.py) runs them when
+the block's ``experts_kernel`` knob says so, and always for MXFP4 experts.
 """
 
 import functools
