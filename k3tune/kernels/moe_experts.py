@@ -428,7 +428,7 @@ def _kernel_classes():
             T, K, PER = self.THREADS, self.K, self.per
             tidx, _, _ = cute.arch.thread_idx()
             b, _, _ = cute.arch.block_idx()
-            n = mOut.shape[1]
+            n = mP.shape[1]  # the latent's width (the output is n / slices wide)
             nv = n // 4
             gP = cute.zipped_divide(mP, (1, 4))
             atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128)
