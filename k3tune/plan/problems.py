@@ -7,7 +7,8 @@ bucket, and on tp; only attention depends on DCP and context. Each problem is tu
 
 Op kinds: ``gemm`` (y[M,N] = x[M,K] W[N,K]^T, bf16), ``kda_decode`` (recurrent KDA state update),
 ``mla_decode`` (latent attention over the KV cache, split by DCP), ``moe_block`` (the routed-expert block
-with its shared-expert overlap and prefetch knobs).
+with its shared-expert overlap and prefetch knobs), ``allreduce`` (a TP collective fused with what follows
+it; tuned only by specs that name it, on a group of that many GPUs).
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ class OpDef:
     kind: str
     layer: str  # "kda", "mla" or "moe": which layers run it
     dims: Callable[[ModelConfig, Deployment, SweepSpec], tuple]
+    opt_in: bool = False  # tuned only by specs that name it (a collective needs a TP group of GPUs)
 
 
 def _m(dep: Deployment, spec: SweepSpec) -> int:
@@ -126,6 +128,11 @@ OPS: dict[str, OpDef] = {
             ("shared_inter", _per_rank(c.shared_intermediate, d.tp, "the shared-expert width")),
             ("hidden", c.hidden), ("format", c.expert_weight_format),
             ("routing", routing.canonical_cached(s.routing, c.num_experts, c.top_k)))),
+        # the KDA o_proj's partial sums all-reduced over the TP group of ``group`` GPUs, the residual added
+        # and the next RMSNorm applied (the MoE block's input): measured on a real group of that size
+        OpDef("tp.allreduce", "allreduce", "kda", lambda c, d, s: (
+            ("group", d.tp), ("M", _m(d, s)), ("N", c.hidden),
+            ("K", _per_rank(c.kda_heads * c.kda_head_dim, d.tp, "the KDA heads width"))), opt_in=True),
     ]
 }
 
@@ -137,7 +144,7 @@ def op(name: str) -> OpDef:
 
 
 def selected_ops(spec: SweepSpec) -> list[OpDef]:
-    return [op(n) for n in spec.ops] if spec.ops is not None else list(OPS.values())
+    return [op(n) for n in spec.ops] if spec.ops is not None else [o for o in OPS.values() if not o.opt_in]
 
 
 def deployments(spec: SweepSpec) -> Iterator[Deployment]:

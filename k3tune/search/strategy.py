@@ -19,6 +19,7 @@ from optuna.trial import TrialState, create_trial
 
 from k3tune.errors import CannotImplement
 from k3tune.kernels import KernelConfig, KernelFamily, params_key
+from k3tune.kernels.base import ENUMERATE_LIMIT
 from k3tune.plan.problems import Problem
 from k3tune.plan.spec import SearchSettings
 
@@ -59,7 +60,6 @@ def _flat(fam: KernelFamily, cfg: KernelConfig) -> dict:
     return {"family": fam.name, **{f"{fam.name}:{k}": v for k, v in cfg.params().items()}}
 
 
-ENUMERATE_LIMIT = 50_000  # declared configs beyond which a space is sampled, never listed
 
 
 @dataclass
