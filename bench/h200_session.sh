@@ -23,16 +23,23 @@ for step in "$@"; do
              | tee $OUT/gpu-moe-tests.log | tail -15 ;;
     moebench) (cd bench && timeout ${BENCH_S:-300} python3 moe.py --out $OUT/bench-moe.json ${MOE_ARGS:-}) 2>&1 \
              | tee $OUT/bench-moe.log | tail -40 ;;
-    moesweep) timeout ${SWEEP_S:-300} python3 bench/device_sweep.py --spec configs/sweep_h200_moe_bf16.toml \
-             --db .device/h200-moe.sqlite 2>&1 | tee $OUT/moe-sweep.log | tail -25
-           python3 -c "import sqlite3; c=sqlite3.connect('.device/h200-moe.sqlite'); c.execute('PRAGMA wal_checkpoint(TRUNCATE)')"
-           cp .device/h200-moe.sqlite $OUT/ ;;
+    moesweep) # MOE_SPEC (default bf16 experts) into MOE_DB; blocks measure with the dense winners of
+           # .device/h200-sweep.sqlite when a dense sweep ran in this call, else the shipped database
+           MOE_SPEC=${MOE_SPEC:-configs/sweep_h200_moe_bf16.toml}; MOE_DB=${MOE_DB:-.device/h200-moe.sqlite}
+           [ -f .device/h200-sweep.sqlite ] && export K3TUNE_DB=.device/h200-sweep.sqlite
+           timeout ${SWEEP_S:-300} python3 bench/device_sweep.py --spec $MOE_SPEC --db $MOE_DB 2>&1 \
+             | tee $OUT/$(basename $MOE_DB .sqlite)-sweep.log | tail -25
+           unset K3TUNE_DB
+           python3 -c "import sqlite3,sys; c=sqlite3.connect(sys.argv[1]); c.execute('PRAGMA wal_checkpoint(TRUNCATE)')" $MOE_DB
+           cp $MOE_DB $OUT/ ;;
     moetc) timeout ${TESTS_S:-300} python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu_moe_tc.py 2>&1 \
              | tee $OUT/gpu-moe-tc-tests.log | tail -15
            (cd bench && timeout ${BENCH_S:-300} python3 moe_experts.py --out $OUT/bench-moe-experts.json \
              ${MOE_EXPERTS_ARGS:-}) 2>&1 | tee $OUT/bench-moe-experts.log | grep -v "^ \|^{\|^}" ;;
-    moeserved) python3 -c "from k3tune.store.db import Database; from k3tune.store.transfer import merge; \
-               merge('.device/served.sqlite', [Database('tuning_db/h200.sqlite'), Database('.device/h200-moe.sqlite')])"
+    moeserved) # the dense winners (this call's dense sweep, else the shipped database) and every MoE sweep's
+           python3 -c "import glob,os; from k3tune.store.db import Database; from k3tune.store.transfer import merge; \
+               d='.device/h200-sweep.sqlite'; d=d if os.path.exists(d) else 'tuning_db/h200.sqlite'; \
+               merge('.device/served.sqlite', [Database(p) for p in [d, *sorted(glob.glob('.device/h200-moe*.sqlite'))]])"
            (cd bench && timeout ${BENCH_S:-300} python3 moe.py --db ../.device/served.sqlite --served \
              --out $OUT/bench-moe-served.json ${MOE_ARGS:-}) 2>&1 | tee $OUT/bench-moe-served.log | grep -v "^ \|^{\|^}" ;;
   esac

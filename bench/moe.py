@@ -36,12 +36,13 @@ from k3tune.shipped import configs_dir
 
 
 def block_bytes(sh: BlockShape, tp: int, path: str, fmt: str, touched: int, tokens: int) -> int:
-    rl = (sh.experts + sh.latent) * sh.hidden * 2 // (1 if path == "stock" else tp)
+    split = 1 if path == "stock" else tp  # the tuned path splits router + latent and the up-projection
+    rl = (sh.experts + sh.latent) * sh.hidden * 2 // split
     n13, n2 = 2 * sh.inter // tp, sh.inter // tp
     expert = (mxfp4.nbytes(n13, sh.latent) + mxfp4.nbytes(sh.latent, n2)) if fmt == "mxfp4" else \
         (n13 * sh.latent + sh.latent * n2) * 2
     shared = 3 * sh.shared_inter // tp * sh.hidden * 2
-    return rl + touched * expert + sh.hidden * sh.latent * 2 + shared + tokens * sh.hidden * 4
+    return rl + touched * expert + sh.hidden * sh.latent * 2 // split + shared + tokens * sh.hidden * 4
 
 
 def time_blocks(blocks, x, samples: int) -> list[float]:

@@ -64,3 +64,30 @@ def test_one_shot_allreduce_on_a_tp_group():
         failures = mgr.dict()
         mp.spawn(_rank, args=(world, 29531, failures), nprocs=world, join=True)
         assert not dict(failures), dict(failures)
+
+
+def test_sweep_tunes_the_allreduce_on_the_group_and_records_group_keyed_winners(tmp_path):
+    """`k3tune sweep --gpus 2` on the 2-GPU all-reduce spec: every variant of every batch measured on the group
+    (correctness first), one winner per problem, each problem keyed by its group size."""
+    import torch
+
+    from k3tune.plan import model, spec
+    from k3tune.search.driver import SweepOptions, run_sweep
+    from k3tune.shipped import configs_dir
+    from k3tune.store.db import Database
+    from k3tune.store.models import ProblemRow, Trial, Winner
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 or more GPUs (a multi-GPU device kind)")
+    sp = spec.load(configs_dir() / "sweep_h200x2_allreduce.toml")
+    db = Database(tmp_path / "coll.sqlite")
+    st = run_sweep(SweepOptions(sp, model.load(), db, "gpu", 2))
+    assert st.problems_done == 7 and not st.no_winner, st
+    with db.session() as s:
+        keys = {p.id: p.key for p in s.query(ProblemRow)}
+        trials = s.query(Trial).all()
+        winners = s.query(Winner).all()
+    assert len(trials) == 7 * 4 and all(t.status.value == "ok" for t in trials), [
+        (keys[t.problem_id], t.params, t.error) for t in trials if t.status.value != "ok"]
+    assert len(winners) == 7 and all("group=2" in keys[w.problem_id] for w in winners)
+    assert {w.family for w in winners} == {"tp.allreduce"}

@@ -148,6 +148,11 @@ def test_routed_expert_kernels_match_torch(b, k, experts, inter, latent):
         norm_ref = summed * torch.rsqrt(summed.pow(2).mean(-1, keepdim=True) + 1e-5) * norm_w.float()
         assert ((normed.float() - norm_ref).norm() / norm_ref.norm()).item() < 1e-2, knob
         assert int(grp.counts.abs().sum()) == 0, "sum_norm resets the groups for the next step"
+        if latent % 32 == 0:  # the slice sum a row-parallel up-projection's emulated ranks multiply
+            sl = torch.full((b, latent // 8), float("nan"), dtype=torch.bfloat16, device="cuda")
+            moe_experts.sum_norm(out, norm_w, sl, k, 1e-5, grp, slices=8)
+            sl_ref = norm_ref.view(b, 8, latent // 8).sum(1)
+            assert ((sl.float() - sl_ref).norm() / sl_ref.norm()).item() < 1e-2, knob
 
     grp = Groups.allocate(experts, b, k, 2, "cuda")
     forced = torch.stack([torch.randperm(experts, device="cuda", generator=g)[:k] for _ in range(b)]).int()

@@ -7,6 +7,7 @@ import hashlib
 from importlib.metadata import PackageNotFoundError, version
 
 from k3tune.errors import ConfigError
+from k3tune.kernels.allreduce import TpAllReduce
 from k3tune.kernels.base import BACKENDS, KernelConfig, KernelFamily, Work, params_key
 from k3tune.kernels.cpu_double import CpuGemm
 from k3tune.kernels.gemm_cublas import CublasGemm
@@ -22,7 +23,7 @@ __all__ = ["FAMILIES", "KernelConfig", "KernelFamily", "Work", "family", "famili
 FAMILIES: dict[str, KernelFamily] = {
     f.name: f
     for f in [CublasGemm(), SmallMGemm(), SplitKTensorCoreGemm(), KdaTorch(), KdaFused(), MlaTorch(), MlaSplitKv(),
-              MoeStock(), MoeOverlap(), CpuGemm()]
+              MoeStock(), MoeOverlap(), CpuGemm(), TpAllReduce()]
 }
 
 

@@ -19,13 +19,124 @@ Status: compiles on the CPU for sm_90a and sm_100a (tests/test_kernel_compile.py
 
 import functools
 import os
+from dataclasses import dataclass
 
+from k3tune.kernels.base import KernelConfig, KernelFamily
 from k3tune.kernels.gemm_smallm import current_arch
+from k3tune.plan.problems import Problem
 
 VEC = 8  # bf16 per 16-byte vector
 MAX_GROUP = 8
 THREADS = 256
 NORM_THREADS = 512
+EPS = 1e-6
+
+# how one rank runs the o_proj + all-reduce + residual add + RMSNorm step, safest first:
+#   nccl            projection, NCCL all-reduce, add, torch RMSNorm: what a stock engine runs
+#   symm_one_shot   projection into symmetric memory, torch's one-shot all-reduce, add, norm
+#   symm_two_shot   projection into symmetric memory, torch's two-shot all-reduce (in place), add, norm
+#   fused_one_shot  projection into symmetric memory, barrier, this module's kernel: all-reduce + add + norm
+VARIANTS = ("nccl", "symm_one_shot", "symm_two_shot", "fused_one_shot")
+
+
+@dataclass(frozen=True)
+class AllReduceConfig(KernelConfig):
+    variant: str = "nccl"
+
+
+class TpAllReduce(KernelFamily):
+    """The ``tp.allreduce`` op on a TP group of ``group`` GPUs. Measured only by a sweep with that many GPUs
+    (search/measure_collective.py: one process per GPU); a one-GPU worker cannot run it. The problem's
+    ``group`` is part of its key, so a winner measured on 2 GPUs is never served to a group of 8."""
+    name = "tp.allreduce"
+    kinds = frozenset({"allreduce"})
+    config_cls = AllReduceConfig
+    backends = frozenset({"gpu"})
+    priority = 10
+
+    def space(self, problem: Problem) -> dict[str, tuple]:
+        fused = problem["group"] <= MAX_GROUP and problem["N"] % VEC == 0
+        return {"variant": VARIANTS if fused else VARIANTS[:3]}
+
+    def tolerance(self, problem: Problem) -> float:
+        return 2e-2
+
+
+def rank_inputs(problem: Problem, rank: int, layers: int, dev) -> dict:
+    """This rank's inputs for ``layers`` steps of distinct o_proj weights (read from HBM, like decode):
+    x [M, K], weights [N, K], the residual [M, N], the norm weight, and a double-buffered symmetric-memory
+    buffer [2, M, N] rendezvoused over the default process group, with its peers' views."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed._symmetric_memory as symm_mem
+
+    m, n, k = problem["M"], problem["N"], problem["K"]
+    g = torch.Generator(device=dev).manual_seed(1000 * rank + m)
+    ws = [(torch.randn(n, k, device=dev, generator=g) / k ** 0.5).to(torch.bfloat16) for _ in range(layers)]
+    x = torch.randn(m, k, device=dev, generator=g).to(torch.bfloat16)
+    # the residual stream is the same on every rank (it was all-reduced by the step before)
+    res = torch.randn(m, n, device=dev, generator=torch.Generator(device=dev).manual_seed(m)).to(torch.bfloat16)
+    norm_w = (1 + 0.1 * torch.randn(n, device=dev, generator=torch.Generator(device=dev).manual_seed(n))).to(
+        torch.bfloat16)
+    group = dist.group.WORLD.group_name
+    buf = symm_mem.empty((2, m, n), dtype=torch.bfloat16, device=dev)
+    hdl = symm_mem.rendezvous(buf, group)
+    world = dist.get_world_size()
+    peers = [[hdl.get_buffer(r, (2, m, n), torch.bfloat16)[s] for r in range(world)] for s in range(2)]
+    return {"ws": ws, "x": x, "res": res, "norm_w": norm_w, "group": group, "buf": buf, "hdl": hdl,
+            "peers": peers, "out": torch.empty(m, n, dtype=torch.bfloat16, device=dev),
+            "normed": torch.empty(m, n, dtype=torch.bfloat16, device=dev)}
+
+
+def rank_reference(inputs: dict):
+    """fp32 (new residual, its RMSNorm x weight) of layer 0: every rank's partial product all-gathered and
+    summed in rank order, plus the residual. A collective: every rank calls it."""
+    import torch
+    import torch.distributed as dist
+
+    part = torch.mm(inputs["x"].float(), inputs["ws"][0].float().t())
+    parts = [torch.empty_like(part) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, part)
+    h = inputs["res"].float() + sum(parts)
+    return h, h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS) * inputs["norm_w"].float()
+
+
+def rank_step(cfg: AllReduceConfig, inputs: dict):
+    """step(layer) -> (new residual, normed): this rank's part of one decode step under ``cfg``; every rank
+    of the group runs it together. Layer l writes symmetric buffer l % 2: the barrier before step l + 1's
+    reads proves every rank is done reading step l - 1's."""
+    import torch
+    import torch.distributed as dist
+
+    x, res, norm_w, group, buf = inputs["x"], inputs["res"], inputs["norm_w"], inputs["group"], inputs["buf"]
+
+    def rmsnorm(h):  # torch's own RMSNorm, as a stock engine calls it
+        return torch.nn.functional.rms_norm(h, (h.shape[-1],), norm_w, EPS)
+
+    def step(layer: int):
+        s, w = layer % 2, inputs["ws"][layer]
+        if cfg.variant == "nccl":
+            y = torch.mm(x, w.t())
+            dist.all_reduce(y)
+            h = res + y
+            return h, rmsnorm(h)
+        torch.mm(x, w.t(), out=buf[s])
+        if cfg.variant == "symm_one_shot":
+            h = res + torch.ops.symm_mem.one_shot_all_reduce(buf[s], "sum", group)
+        elif cfg.variant == "symm_two_shot":
+            torch.ops.symm_mem.two_shot_all_reduce_(buf[s], "sum", group)
+            h = res + buf[s]
+        elif cfg.variant == "fused_one_shot":
+            inputs["hdl"].barrier(channel=0)
+            one_shot(inputs["peers"][s], res, inputs["out"], norm_w, inputs["normed"], EPS)
+            return inputs["out"], inputs["normed"]
+        else:
+            from k3tune.errors import ConfigError
+
+            raise ConfigError(f"all-reduce variant {cfg.variant!r}: expected one of {', '.join(VARIANTS)}")
+        return h, rmsnorm(h)
+
+    return step
 
 
 def _fake_args(group: int, norm: bool, arch: str):

@@ -21,6 +21,7 @@ from k3tune.errors import CannotImplement
 from k3tune.plan.problems import Problem
 
 BACKENDS = ("gpu", "simulated", "cpu")
+ENUMERATE_LIMIT = 50_000  # declared configs beyond which a space is sampled or counted, never listed
 
 
 @dataclass(frozen=True)

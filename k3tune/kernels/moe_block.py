@@ -60,11 +60,12 @@ class _BlockOnGpu:
     A deliberate exception to 'kernels know nothing of databases': a block's measured time must include
     the dense kernels it will be served with, and those come from the tuning database through the runtime
     selector; so measuring a block builds the runtime's executor (imported lazily, at measurement time)."""
-    depends_on = ("k3tune.kernels.moe_experts", "k3tune.kernels.l2_prefetch", "k3tune.runtime.moe",
-                  "k3tune.runtime.partition")
+    depends_on = ("k3tune.kernels.moe_experts", "k3tune.kernels.moe_experts_tc", "k3tune.kernels.l2_prefetch",
+                  "k3tune.runtime.moe", "k3tune.runtime.partition")
 
     def runs_on(self, problem: Problem, backend: str) -> bool:
-        return backend != "gpu" or problem["format"] == "bf16"  # MXFP4 on a GPU: when its kernel lands
+        # MXFP4 on a GPU: the tuned path's tensor-core kernels; the stock path runs bf16 only
+        return backend != "gpu" or problem["format"] == "bf16" or self.path == "tuned"
 
     def weight_names(self, problem: Problem) -> tuple[str, ...]:
         return ()
@@ -176,6 +177,15 @@ class MoeOverlapConfig(KernelConfig):
     group: int = 1  # tokens of one expert per work item (its weight tile read once for them)
     shared_sms: int = 0
     prefetch_mib: int = 0
+    experts_kernel: str = "cuda_core"  # or "tensor_core" (moe_experts_tc: mma.sync; MXFP4 needs it)
+    tc13_mt: int = 1  # tensor-core w13: row tiles per warp, warps over rows / over K, load batch
+    tc13_wn: int = 2
+    tc13_wk: int = 2
+    tc13_unroll: int = 2
+    tc2_mt: int = 1  # tensor-core w2
+    tc2_wn: int = 4
+    tc2_wk: int = 1
+    tc2_unroll: int = 2
 
 
 class MoeOverlap(_BlockOnGpu, KernelFamily):
@@ -185,9 +195,13 @@ class MoeOverlap(_BlockOnGpu, KernelFamily):
     backends = frozenset({"simulated", "gpu"})
     priority = 30
     path = "tuned"
+    off = {"prefetch_mib": 0}  # a prefetch size is recorded only where it pays beyond the noise
 
     def space(self, problem: Problem) -> dict[str, tuple]:
-        return {
+        tc = {"experts_kernel": ("cuda_core", "tensor_core") if problem["format"] == "bf16" else ("tensor_core",),
+              "tc13_mt": (1, 2), "tc13_wn": (1, 2, 4), "tc13_wk": (1, 2, 4), "tc13_unroll": (1, 2, 4),
+              "tc2_mt": (1, 2), "tc2_wn": (1, 2, 4), "tc2_wk": (1, 2), "tc2_unroll": (1, 2)}
+        return tc | {
             "w13_rows": (2, 4, 8),
             "w13_warps": (2, 4, 8),
             "w13_unroll": (1, 2, 4),
@@ -204,22 +218,38 @@ class MoeOverlap(_BlockOnGpu, KernelFamily):
         # registers of a lane's load batch (16-byte vectors = 4 registers: weight rows and the item's tokens)
         # and its accumulators (rows x tokens): keep clear of spills; an item never holds more than M tokens
         p = cfg.group
+        if problem["format"] != "bf16" and cfg.experts_kernel != "tensor_core":
+            return False  # MXFP4 experts: only the tensor-core kernels dequantise in registers
+        if cfg.experts_kernel == "tensor_core":  # items up to 8 tokens (one MMA N tile) or 16 (two)
+            return p <= max(1, problem["M"]) and p <= 16 and self._tc_cfgs(cfg)[0].tokens >= p
         return (p <= max(1, problem["M"]) and 4 * (2 * cfg.w13_rows + p) * cfg.w13_unroll <= 160
                 and 2 * cfg.w13_rows * p <= 64 and 4 * (cfg.w2_rows + p) * cfg.w2_unroll <= 160
                 and cfg.w2_rows * p <= 64)
+
+    @staticmethod
+    def _tc_cfgs(cfg: MoeOverlapConfig):
+        from k3tune.kernels.moe_experts_tc import TcExpertConfig
+
+        nt = 2 if cfg.group > 8 else 1
+        return (TcExpertConfig(cfg.tc13_mt, cfg.tc13_wn, cfg.tc13_wk, nt, cfg.tc13_unroll),
+                TcExpertConfig(cfg.tc2_mt, cfg.tc2_wn, cfg.tc2_wk, nt, cfg.tc2_unroll))
 
     def default(self, problem: Problem) -> MoeOverlapConfig:
         from k3tune.kernels.moe_experts import default_config
 
         c13, c2, per = default_config(problem["M"])
+        if problem["format"] != "bf16":  # MXFP4: the tensor-core kernels, items of up to 8 tokens
+            return MoeOverlapConfig(group=min(8, max(1, problem["M"])), shared_sms=16, experts_kernel="tensor_core")
         return MoeOverlapConfig(c13.rows, c13.warps, c13.unroll, c2.rows, c2.warps, c2.unroll, c2.lanes, per,
                                 shared_sms=16)
 
     def block_knobs(self, cfg: MoeOverlapConfig) -> dict:
         from k3tune.kernels.moe_experts import ExpertKernelConfig
 
-        return {"experts_cfg": (ExpertKernelConfig(cfg.w13_rows, cfg.w13_warps, cfg.w13_unroll),
-                                ExpertKernelConfig(cfg.w2_rows, cfg.w2_warps, cfg.w2_unroll, cfg.w2_lanes), cfg.group),
+        experts = ((*self._tc_cfgs(cfg), cfg.group) if cfg.experts_kernel == "tensor_core" else
+                   (ExpertKernelConfig(cfg.w13_rows, cfg.w13_warps, cfg.w13_unroll),
+                    ExpertKernelConfig(cfg.w2_rows, cfg.w2_warps, cfg.w2_unroll, cfg.w2_lanes), cfg.group))
+        return {"experts_cfg": experts,
                 "shared_stream": _partition(cfg.shared_sms) if cfg.shared_sms else None,
                 "prefetch_mib": cfg.prefetch_mib}
 
@@ -236,7 +266,7 @@ class MoeOverlap(_BlockOnGpu, KernelFamily):
                        ctas=int(m * problem["top_k"] * n_tiles), inflight_bytes_per_cta=cfg.w13_warps * 32 * 16 * 2 *
                        cfg.w13_rows * cfg.w13_unroll, tensor_cores=False, launches=4, sm_limit=routed_sms,
                        ctas_per_sm=max(1, 16 // cfg.w13_warps), extra_us=0.02 * cfg.w2_rows / cfg.w2_warps)
-        up = _gemm_work(m, hid, lat, 112, 16384, True, launches=2, sm_limit=routed_sms)
+        up = _gemm_work(m, hid, lat // tp, 112, 16384, True, launches=2, sm_limit=routed_sms)
         routed = roofline_us(experts, hw) + roofline_us(up, hw)
         shared_w = [_gemm_work(m, 2 * sh // 1, hid, 96, 16384, True, sm_limit=cfg.shared_sms or sms),
                     _gemm_work(m, hid, sh, 56, 16384, True, sm_limit=cfg.shared_sms or sms)]

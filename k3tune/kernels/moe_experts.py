@@ -119,7 +119,7 @@ def _fake_args(kind: str, arch: str):
 def compiled(kind: str, knobs: tuple, arch: str):
     """One compile per kernel kind, knob tuple and arch; batch, widths and expert counts are dynamic.
     knobs: w13 (rows, warps, unroll, lanes, per, beta, linear_beta); w2 (rows, warps, unroll, lanes, per); route (experts,
-    top_k, scaling, forced, per); sum_norm (top_k, eps, vectors per thread); situ (beta, linear_beta). Never
+    top_k, scaling, forced, per); sum_norm (top_k, eps, vectors per thread, slices); situ (beta, linear_beta). Never
     call inside a capture."""
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream
@@ -174,16 +174,20 @@ def _check(cfg: ExpertKernelConfig, groups: Groups):
 SUM_NORM_THREADS = 512
 
 
-def sum_norm(per_slot, norm_weight, out, top_k: int, eps: float, groups: Groups, stream=None):
-    """out[b] = RMSNorm(sum_j per_slot[b k + j]) x norm_weight, bf16; resets ``groups`` for the next step.
-    RMSNorm(c x) = x / sqrt(mean(x^2) + eps / c^2): a caller whose sum is all-reduced by c identical ranks
-    passes eps / c^2. The row width must be a multiple of 4 (16-byte vectors)."""
+def sum_norm(per_slot, norm_weight, out, top_k: int, eps: float, groups: Groups, slices: int = 1, stream=None):
+    """n[b] = RMSNorm(sum_j per_slot[b k + j]) x norm_weight; out[b] = the sum of n[b]'s ``slices`` equal
+    slices (bf16, width / slices: what a row-parallel projection over ``slices`` emulated ranks multiplies;
+    1: n itself); resets ``groups`` for the next step. RMSNorm(c x) = x / sqrt(mean(x^2) + eps / c^2): a
+    caller whose sum is all-reduced by c identical ranks passes eps / c^2. The row width must be a multiple
+    of 4 (16-byte vectors) and of ``slices``."""
     from k3tune.errors import ConfigError
 
-    if per_slot.shape[1] % 4:
-        raise ConfigError(f"sum_norm reads 16-byte vectors: width {per_slot.shape[1]} is not a multiple of 4")
-    per = -(-per_slot.shape[1] // (4 * SUM_NORM_THREADS))
-    fn = compiled("sum_norm", (top_k, float(eps), per), current_arch())
+    n = per_slot.shape[1]
+    if n % 4 or n % slices or out.shape[1] != n // slices:
+        raise ConfigError(f"sum_norm: width {n} must be a multiple of 4 and of {slices} slices, out {out.shape[1]}"
+                          f" wide")
+    per = -(-n // (4 * SUM_NORM_THREADS))
+    fn = compiled("sum_norm", (top_k, float(eps), per, slices), current_arch())
     fn(_t(per_slot, 16), _t(norm_weight, 2), _t(out, 2), _t(groups.counts, 4), _stream(stream))
 
 
@@ -410,8 +414,8 @@ def _kernel_classes():
     class SumNorm:
         THREADS = SUM_NORM_THREADS
 
-        def __init__(self, top_k, eps, per):
-            self.K, self.eps, self.per = top_k, eps, per
+        def __init__(self, top_k, eps, per, slices=1):
+            self.K, self.eps, self.per, self.slices = top_k, eps, per, slices
 
         @cute.jit
         def __call__(self, mP: cute.Tensor, mG: cute.Tensor, mOut: cute.Tensor, mCnt: cute.Tensor,
@@ -424,7 +428,7 @@ def _kernel_classes():
             T, K, PER = self.THREADS, self.K, self.per
             tidx, _, _ = cute.arch.thread_idx()
             b, _, _ = cute.arch.block_idx()
-            n = mOut.shape[1]
+            n = mP.shape[1]  # the latent's width (the output is n / slices wide)
             nv = n // 4
             gP = cute.zipped_divide(mP, (1, 4))
             atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128)
@@ -455,11 +459,26 @@ def _kernel_classes():
             for w in cutlass.range_constexpr(T // 32):
                 tot = tot + red[w]
             inv = cute.math.rsqrt(tot / n.to(Float32) + Float32(self.eps))
-            for i in cutlass.range_constexpr(PER):
-                v = tidx + i * T
-                if v < nv:
-                    for c in cutlass.range_constexpr(4):
-                        mOut[b, 4 * v + c] = (sums[c, i] * inv * mG[4 * v + c].to(Float32)).to(BFloat16)
+            if cutlass.const_expr(self.slices == 1):
+                for i in cutlass.range_constexpr(PER):
+                    v = tidx + i * T
+                    if v < nv:
+                        for c in cutlass.range_constexpr(4):
+                            mOut[b, 4 * v + c] = (sums[c, i] * inv * mG[4 * v + c].to(Float32)).to(BFloat16)
+            else:  # the normed row through shared memory, then each output column sums its slices in order
+                row = smem.allocate_tensor(Float32, cute.make_layout(4 * PER * T), 16)
+                for i in cutlass.range_constexpr(PER):
+                    v = tidx + i * T
+                    if v < nv:
+                        for c in cutlass.range_constexpr(4):
+                            row[4 * v + c] = sums[c, i] * inv * mG[4 * v + c].to(Float32)
+                cute.arch.sync_threads()
+                w = mOut.shape[1]
+                for q in cutlass.range(tidx, w, T):
+                    acc = Float32(0.0)
+                    for r in cutlass.range_constexpr(self.slices):
+                        acc = acc + row[r * w + q]
+                    mOut[b, q] = acc.to(BFloat16)
 
     class Situ:
         THREADS = 256

@@ -25,6 +25,8 @@ scales are far below).
 Status: compiles on the CPU for sm_90a and sm_100a (tests/test_kernel_compile.py); GPU numerics
 (tests/test_gpu_moe_tc.py) pass on the H200 for bf16 and MXFP4 at K3's shapes (2026-11-29, session 4).
 Speed against the CUDA-core kernels: bench/moe_experts.py (bench/results/2026-11-29-s4-r1-moe-experts.log).
+The block executor (runtime/moe.py) runs them when the block's ``experts_kernel`` knob says so, and always
+for MXFP4 experts.
 """
 
 import functools
@@ -49,6 +51,12 @@ class TcExpertConfig:
     @property
     def tokens(self) -> int:
         return 8 * self.n_tiles
+
+
+def default_config(tokens: int) -> tuple:
+    """(w13 config, w2 config, tokens per item) where no tuned choice gives them."""
+    per = min(8, max(1, tokens))
+    return TcExpertConfig(1, 2, 2, 1, 2), TcExpertConfig(1, 4, 1, 1, 2), per
 
 
 def check(cfg: TcExpertConfig, groups, k: int, fmt: str) -> None:

@@ -7,7 +7,8 @@ bucket, and on tp; only attention depends on DCP and context. Each problem is tu
 
 Op kinds: ``gemm`` (y[M,N] = x[M,K] W[N,K]^T, bf16), ``kda_decode`` (recurrent KDA state update),
 ``mla_decode`` (latent attention over the KV cache, split by DCP), ``moe_block`` (the routed-expert block
-with its shared-expert overlap and prefetch knobs).
+with its shared-expert overlap and prefetch knobs), ``allreduce`` (a TP collective fused with what follows
+it; tuned only by specs that name it, on a group of that many GPUs).
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ class OpDef:
     kind: str
     layer: str  # "kda", "mla" or "moe": which layers run it
     dims: Callable[[ModelConfig, Deployment, SweepSpec], tuple]
+    opt_in: bool = False  # tuned only by specs that name it (a collective needs a TP group of GPUs)
 
 
 def _m(dep: Deployment, spec: SweepSpec) -> int:
@@ -116,13 +118,21 @@ OPS: dict[str, OpDef] = {
             _m(d, s), _per_rank(2 * c.shared_intermediate, d.tp, "the shared-expert width"), c.hidden)),
         OpDef("moe.shared_w2", "gemm", "moe", lambda c, d, s: _gemm(
             _m(d, s), c.hidden, _per_rank(c.shared_intermediate, d.tp, "the shared-expert width"))),
-        OpDef("moe.latent_up", "gemm", "moe", lambda c, d, s: _gemm(_m(d, s), c.hidden, c.latent)),
+        # row-parallel: each rank multiplies its slice of the normed latent; the partial sums join the shared
+        # experts' in the block's final all-reduce
+        OpDef("moe.latent_up", "gemm", "moe", lambda c, d, s: _gemm(
+            _m(d, s), c.hidden, _per_rank(c.latent, d.tp, "the latent width"))),
         OpDef("moe.block", "moe_block", "moe", lambda c, d, s: (
             ("tp", d.tp), ("M", _m(d, s)), ("experts", c.num_experts), ("top_k", c.top_k),
             ("latent", c.latent), ("inter", _per_rank(c.moe_intermediate, d.tp, "the expert width")),
             ("shared_inter", _per_rank(c.shared_intermediate, d.tp, "the shared-expert width")),
             ("hidden", c.hidden), ("format", c.expert_weight_format),
             ("routing", routing.canonical_cached(s.routing, c.num_experts, c.top_k)))),
+        # the KDA o_proj's partial sums all-reduced over the TP group of ``group`` GPUs, the residual added
+        # and the next RMSNorm applied (the MoE block's input): measured on a real group of that size
+        OpDef("tp.allreduce", "allreduce", "kda", lambda c, d, s: (
+            ("group", d.tp), ("M", _m(d, s)), ("N", c.hidden),
+            ("K", _per_rank(c.kda_heads * c.kda_head_dim, d.tp, "the KDA heads width"))), opt_in=True),
     ]
 }
 
@@ -134,7 +144,7 @@ def op(name: str) -> OpDef:
 
 
 def selected_ops(spec: SweepSpec) -> list[OpDef]:
-    return [op(n) for n in spec.ops] if spec.ops is not None else list(OPS.values())
+    return [op(n) for n in spec.ops] if spec.ops is not None else [o for o in OPS.values() if not o.opt_in]
 
 
 def deployments(spec: SweepSpec) -> Iterator[Deployment]:

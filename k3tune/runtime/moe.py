@@ -13,13 +13,16 @@ Dataflow per rank (tp ranks; weights of rank ``rank``):
   routing: s = sigmoid(scores); top-k of s + correction bias; weights s[top] / sum(s[top]) * scaling
   routed experts (TP-sharded: w13 [2 I / tp, L] per expert, gate rows then up rows; w2 [L, I / tp]):
            partial latent = sum_k weight_k * situ(latent w13_e^T) w2_e^T -> all-reduce (it feeds a norm)
-  out = (RMSNorm(latent) W_up^T) + all-reduce(shared partial)   (W_up replicated, the shared experts
-        TP-sharded like the routed ones: w13 [2 S / tp, H], w2 [H, S / tp])
+  out = all-reduce(RMSNorm(latent)[:, slice] W_up[rank]^T + shared partial)   (W_up row-parallel: [H, L / tp]
+        per rank, its partial joining the shared experts' all-reduce; the stock path replicates W_up. The
+        shared experts are TP-sharded like the routed ones: w13 [2 S / tp, H], w2 [H, S / tp])
 
 On one GPU the collectives are emulated (``EmulatedComm``): the other ranks are taken to hold the same
 shards as this one (all-gather repeats this rank's part, all-reduce multiplies by tp), and each collective
 can occupy the GPU for the time the target's NVLink would take without touching HBM. ``virtual_full``
 builds the unsharded weights that this convention implies, so a TP-free torch reference can check any tp.
+For the row-parallel up-projection the convention makes the ranks' partials sum to (sum of the latent's
+tp slices) @ W_up[rank]^T, so the rank computes that: its own weight bytes, the all-reduced value exactly.
 
 SiTU (``hidden_act: situ``, beta 4, linear beta 25 in K3's config) is not defined in any source available
 here; this module assumes the gated form of gpt-oss's clamped SwiGLU: situ(g, u) = g * sigmoid(beta g) *
@@ -33,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from k3tune.errors import ConfigError
-from k3tune.kernels import moe_experts, mxfp4
+from k3tune.kernels import moe_experts, moe_experts_tc, mxfp4
 from k3tune.kernels.l2_prefetch import prefetch
 
 
@@ -93,7 +96,7 @@ class RankWeights:
     w13: object  # [E, 2 I / tp, L]
     w2: object  # [E, L, I / tp]
     norm: object  # [L]
-    w_up: object  # [H, L]
+    w_up: object  # [H, L / tp]: row-parallel (this rank's slice of the latent)
     shared_w13: object  # [2 S / tp, H]
     shared_w2: object  # [H, S / tp]
 
@@ -126,7 +129,7 @@ def random_weights(shape: BlockShape, tp: int, rank: int = 0, fmt: str = "bf16",
                        bias=(torch.randn(e, generator=g, device=device) * 0.1).float(),
                        w13=w13, w2=w2,
                        norm=(1 + 0.1 * torch.randn(lat, generator=g, device=device)).to(torch.bfloat16),
-                       w_up=mat(h, lat, fan_in=lat),
+                       w_up=mat(h, lat // tp, fan_in=lat),
                        shared_w13=mat(2 * s, h, fan_in=h), shared_w2=mat(h, s, fan_in=shape.shared_inter))
 
 
@@ -149,7 +152,7 @@ def virtual_full(w: RankWeights) -> dict:
         return rows(w13), torch.cat([w2.float()] * tp, dim=-1)
 
     return {"w_rl": torch.cat([w.w_rl.float()] * tp, dim=0), "bias": w.bias.float(), "expert": expert,
-            "norm": w.norm.float(), "w_up": w.w_up.float(),
+            "norm": w.norm.float(), "w_up": torch.cat([w.w_up.float()] * tp, dim=-1),
             "shared_w13": rows(w.shared_w13), "shared_w2": torch.cat([w.shared_w2.float()] * tp, dim=-1)}
 
 
@@ -295,6 +298,7 @@ class MoEBlock:
             if w.fmt != "bf16":
                 raise ConfigError("the stock path runs bf16 experts (what a stock engine runs); got mxfp4")
             blk._cache["w_rl_full"] = torch.cat([w.w_rl] * w.tp, dim=0)  # computed in full on every rank
+            blk._cache["w_up_full"] = torch.cat([w.w_up] * w.tp, dim=-1)  # replicated on every rank
             blk.ran["router_latent"] = "F.linear (full width on every rank)"
             blk.ran["dense"] = "F.linear"
             blk.ran["shared"] = "serial, after the routed experts"
@@ -319,10 +323,14 @@ class MoEBlock:
                 blk.ran["shared"] = f"side stream {getattr(shared_stream, 'k3tune_label', '')}".strip()
             else:
                 blk.ran["shared"] = "serial, after the routed experts"
-        can_cute = path == "tuned" and w.fmt == "bf16" and w.w_rl.is_cuda
+        cfg = experts_cfg or (moe_experts_tc.default_config(tokens) if w.fmt == "mxfp4"
+                              else moe_experts.default_config(tokens))
+        tensor_core = isinstance(cfg[0], moe_experts_tc.TcExpertConfig)
+        can_cute = path == "tuned" and w.w_rl.is_cuda and (w.fmt == "bf16" or tensor_core)
         experts = experts or ("cute" if can_cute else "grouped_mm")
         if experts == "cute" and not can_cute:
-            raise ConfigError("the CuTe grouped-expert kernels run bf16 experts on a GPU, on the tuned path")
+            raise ConfigError("the CuTe expert kernels run on a GPU on the tuned path; MXFP4 experts need the "
+                              "tensor-core kernels")
         if experts not in ("cute", "grouped_mm"):
             raise ConfigError(f"expert implementation {experts!r}: expected cute or grouped_mm")
         blk._cache["experts"] = experts
@@ -330,19 +338,25 @@ class MoEBlock:
         blk._cache["w2_t"] = None if w.fmt == "mxfp4" else w.w2.transpose(1, 2)
         if experts == "cute":
             k = weights.shape.top_k
-            blk._cache["cfg13"], blk._cache["cfg2"], per = experts_cfg or moe_experts.default_config(tokens)
+            blk._cache["cfg13"], blk._cache["cfg2"], per = cfg
             blk._cache["groups"] = moe_experts.Groups.allocate(weights.shape.experts, tokens, k, per, dev)
+            if w.fmt == "mxfp4":
+                moe_experts_tc.check_scales(w.w13[1])
+                moe_experts_tc.check_scales(w.w2[1])
             blk._cache["top"] = torch.empty(tokens, k, dtype=torch.int32, device=dev)
             blk._cache["wts"] = torch.empty(tokens, k, dtype=torch.float32, device=dev)
             blk._cache["act"] = torch.empty(tokens * k, weights.shape.inter // w.tp, dtype=torch.bfloat16, device=dev)
             blk._cache["per_slot"] = torch.empty(tokens * k, weights.shape.latent, dtype=torch.float32, device=dev)
-            blk._cache["normed"] = torch.empty(tokens, weights.shape.latent, dtype=torch.bfloat16, device=dev)
+            blk._cache["normed"] = torch.empty(tokens, weights.shape.latent // w.tp, dtype=torch.bfloat16, device=dev)
             blk._cache["shared_act"] = torch.empty(tokens, weights.shape.shared_inter // w.tp, dtype=torch.bfloat16,
                                                    device=dev)
             blk.ran["routing"] = "k3tune route kernel (CuTe DSL): sigmoid + bias top-k, renormalised"
-            blk.ran["experts"] = (f"k3tune expert-grouped GEMVs (CuTe DSL) bf16, up to {per} tokens per expert "
-                                  f"read: w13+SiTU {blk._cache['cfg13']}, w2 {blk._cache['cfg2']}; slot sum + "
-                                  "RMSNorm kernel; shared SiTU kernel")
+            kind = ("tensor-core grouped GEMMs (CuTe DSL, mma.sync" +
+                    (", MXFP4 dequantised in registers)" if w.fmt == "mxfp4" else ") bf16") if tensor_core
+                    else "expert-grouped GEMVs (CuTe DSL) bf16")
+            blk.ran["experts"] = (f"k3tune {kind}, up to {per} tokens per expert read: w13+SiTU "
+                                  f"{blk._cache['cfg13']}, w2 {blk._cache['cfg2']}; slot sum + RMSNorm kernel; "
+                                  "shared SiTU kernel")
         else:
             blk.ran["experts"] = ("torch._grouped_mm bf16" if w.fmt == "bf16"
                                   else "MXFP4 dequantised (torch reference) + torch._grouped_mm")
@@ -356,14 +370,15 @@ class MoEBlock:
         too. ``ran['block']`` says which choice was served and from where."""
         choice = selector.lookup("moe.block", weights.tp, batch, draft)
         p = dict(choice.params)
-        if choice.family == "moe.overlap" and weights.fmt == "bf16" and weights.w_rl.is_cuda:
+        tc_ok = weights.fmt == "bf16" or dict(choice.params).get("experts_kernel") == "tensor_core"
+        if choice.family == "moe.overlap" and weights.w_rl.is_cuda and tc_ok:
             from k3tune.kernels import family
 
             knobs = family(choice.family).block_knobs(choice.config())  # the same mapping the sweep measured
             blk = cls.build(weights, "tuned", batch, draft, selector=selector, comm=comm, **knobs)
         elif weights.fmt == "bf16" and choice.family == "moe.stock":
             blk = cls.build(weights, "stock", batch, draft, comm=comm)
-        else:  # MXFP4 (no tuned GPU kernel yet) or a CPU: the tuned path with its defaults, labelled
+        else:  # a CPU, or a choice that cannot run these weights: the tuned path with its defaults, labelled
             blk = cls.build(weights, "tuned", batch, draft, selector=selector, comm=comm)
         blk.ran["block"] = f"{choice.family} {json.dumps(p, sort_keys=True)} ({choice.source})"
         return blk
@@ -395,7 +410,14 @@ class MoEBlock:
             self.last_top = top
             routed = self.comm.all_reduce(self._experts(latent, top, weights))
             normed = _rmsnorm(routed, w.norm, shape.rms_eps)
-        up = torch.nn.functional.linear(normed, w.w_up) if self.path == "stock" else self._gemms["moe.latent_up"](normed)
+            if self.path == "tuned":
+                normed = _slice_sum(normed, self.comm.tp)
+        # stock: the up-projection replicated (full width on every rank); tuned: row-parallel, its partial sum
+        # joins the shared experts' in the final all-reduce. On one GPU, with every rank holding this rank's
+        # slice of w_up, the ranks' partials sum to (sum of the latent's slices) @ slice^T: one GEMM of the
+        # rank's own bytes gives the all-reduced product exactly (see the module doc)
+        up = (torch.nn.functional.linear(normed, self._cache["w_up_full"]) if self.path == "stock"
+              else self._gemms["moe.latent_up"](normed))
         if side is None:
             shared = self._shared(x)
         else:
@@ -415,11 +437,19 @@ class MoEBlock:
         g = c["groups"]
         moe_experts.route(y, w.bias, c["top"], c["wts"], shape.top_k, shape.scaling, g, forced=forced)
         self.last_top = c["top"]
-        moe_experts.run_w13(c["cfg13"], latent, w.w13, c["act"], c["wts"], g, shape.situ_beta,
-                            shape.situ_linear_beta)
-        moe_experts.run_w2(c["cfg2"], c["act"], w.w2, c["per_slot"], c["wts"], g)
+        if isinstance(c["cfg13"], moe_experts_tc.TcExpertConfig):
+            fp4 = w.fmt == "mxfp4"
+            moe_experts_tc.run_w13(c["cfg13"], latent, w.w13[0] if fp4 else w.w13, c["act"], c["wts"], g,
+                                   shape.situ_beta, shape.situ_linear_beta, scales=w.w13[1] if fp4 else None)
+            moe_experts_tc.run_w2(c["cfg2"], c["act"], w.w2[0] if fp4 else w.w2, c["per_slot"], c["wts"], g,
+                                  scales=w.w2[1] if fp4 else None)
+        else:
+            moe_experts.run_w13(c["cfg13"], latent, w.w13, c["act"], c["wts"], g, shape.situ_beta,
+                                shape.situ_linear_beta)
+            moe_experts.run_w2(c["cfg2"], c["act"], w.w2, c["per_slot"], c["wts"], g)
         self.comm._occupy(c["per_slot"])
-        moe_experts.sum_norm(c["per_slot"], w.norm, c["normed"], shape.top_k, shape.rms_eps / self.comm.tp ** 2, g)
+        moe_experts.sum_norm(c["per_slot"], w.norm, c["normed"], shape.top_k, shape.rms_eps / self.comm.tp ** 2, g,
+                             slices=self.comm.tp)
         return c["normed"]
 
     def _shared(self, x):
@@ -468,6 +498,13 @@ class MoEBlock:
         out = torch._grouped_mm(act.contiguous(), w2_t, offs=offs).float()
         out = out * weights.reshape(-1).index_select(0, order).unsqueeze(1)
         return torch.zeros(b, shape.latent, device=latent.device).index_add_(0, token, out).to(latent.dtype)
+
+
+def _slice_sum(x, tp: int):
+    """sum_r x[:, r-th of tp slices] (fp32 sum, bf16 out): the latent as the row-parallel up-projection's
+    emulated ranks see it."""
+    b, n = x.shape
+    return x.float().view(b, tp, n // tp).sum(1).to(x.dtype)
 
 
 def _rmsnorm(x, weight, eps: float):

@@ -36,9 +36,10 @@ from k3tune.store.records import read_winners
 
 log = logging.getLogger("k3tune.runtime")
 
-SIZE_DIMS = {"gemm": ("M",), "moe_block": ("M",), "kda_decode": ("batch", "qlen"), "mla_decode": ("batch", "qlen")}
+SIZE_DIMS = {"gemm": ("M",), "moe_block": ("M",), "allreduce": ("M",), "kda_decode": ("batch", "qlen"),
+             "mla_decode": ("batch", "qlen")}
 _GEMM, _KDA, _MLA = 0, 1, 2
-_KIND_CODE = {"gemm": _GEMM, "moe_block": _GEMM, "kda_decode": _KDA, "mla_decode": _MLA}
+_KIND_CODE = {"gemm": _GEMM, "moe_block": _GEMM, "allreduce": _GEMM, "kda_decode": _KDA, "mla_decode": _MLA}
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ several machines can share one sweep (PostgreSQL) without overlap; a dead owner'
 
 from __future__ import annotations
 
+import json
 import math
 import platform
 import time
@@ -96,6 +97,11 @@ def run_sweep(opt: SweepOptions) -> SweepStats:
             tunable.append(p)
         else:
             stats.skipped_ops[p.op] = f"no kernel family of {p.op} runs on the {opt.backend} backend yet"
+    too_big = sorted({p["group"] for p in tunable if p.kind == "allreduce" and p["group"] > opt.workers})
+    if too_big:  # a collective is measured on a group of its own size
+        stats.skipped_ops["tp.allreduce"] = (f"groups of {', '.join(map(str, too_big))} GPUs need that many; "
+                                             f"this sweep has {opt.workers}")
+        tunable = [p for p in tunable if p.kind != "allreduce" or p["group"] <= opt.workers]
     if not tunable:
         raise ConfigError(f"nothing to tune on the {opt.backend} backend for spec {opt.spec.name}")
     digests = {op: op_digest(op, opt.backend) for op in {p.op for p in tunable}}
@@ -170,7 +176,15 @@ def run_sweep(opt: SweepOptions) -> SweepStats:
         report(f"{p.key}: {d.family or 'no correct candidate'} {d.median_us:.2f} us")
 
     try:
-        with WorkerPool(opt.workers, backend_spec, opt.trial_timeout_s, pin_gpus=opt.backend == "gpu") as pool:
+        coll = {pid: d for pid, d in wanted.items() if by_id[pid].kind == "allreduce"}
+        if coll:  # collectives first, on a group of this sweep's GPUs (no one-GPU worker can run them)
+            with opt.db.session() as s:
+                got = records.claim(s, hw_id, label, owner, coll, len(coll), opt.lease_s)
+            if got:
+                _tune_collectives([by_id[pid] for pid in got], pids, opt, hw_id, run_id, label, digests, stats, report)
+            wanted = {pid: d for pid, d in wanted.items() if pid not in coll}
+        with WorkerPool(opt.workers if wanted else 0, backend_spec, opt.trial_timeout_s,
+                        pin_gpus=opt.backend == "gpu") as pool:
             while True:
                 if len(active) < target_active:
                     with opt.db.session() as s:
@@ -241,3 +255,47 @@ def run_sweep(opt: SweepOptions) -> SweepStats:
             pass
     report("done")
     return stats
+
+
+def _tune_collectives(problems: list[plans.Problem], pids: dict, opt: SweepOptions, hw_id: int, run_id: int,
+                      label: Backend, digests: dict, stats: SweepStats, report) -> None:
+    """Every variant of every collective problem, measured on a group of ``group`` GPUs (the space is a
+    handful of variants: measured exhaustively); trials and winners recorded like any other problem's."""
+    from k3tune.kernels import params_key
+    from k3tune.search import measure_collective
+
+    for group in sorted({p["group"] for p in problems}):
+        mine = [p for p in problems if p["group"] == group]
+        items = []
+        for p in mine:
+            fam = families_for(p, opt.backend)[0]
+            items.append((p, [c.params() for c in fam.configs(p)]))
+        report(f"measuring {len(mine)} collective problems on a group of {group} GPUs")
+        results = measure_collective.measure(items, group, samples=opt.spec.search.samples,
+                                             deadline_s=opt.trial_timeout_s)
+        for p, prms in items:
+            fam = families_for(p, opt.backend)[0]
+            pid = pids[p]
+            outs = {params_key(prm): results[(p.key, params_key(prm))] for prm in prms}
+            with opt.db.session() as s:
+                records.record_trials(s, run_id, hw_id, label, [records.TrialRecord(
+                    problem_id=pid, family=fam.name, family_digest=fam.digest, params=prm, params_key=params_key(prm),
+                    round=0, status=TrialStatus(outs[params_key(prm)].status), median_us=outs[params_key(prm)].median_us,
+                    spread_us=outs[params_key(prm)].spread_us, samples=outs[params_key(prm)].samples,
+                    error=outs[params_key(prm)].error) for prm in prms])
+                default = params_key(fam.default_config(p).params())
+                win = measure_collective.fastest(outs, [params_key(prm) for prm in prms])
+                if win is not None:
+                    w = outs[win]
+                    records.save_winner(s, hardware_id=hw_id, problem_id=pid, op_digest=digests[p.op], backend=label,
+                                        family=fam.name, family_digest=fam.digest, params=json.loads(win),
+                                        median_us=w.median_us, spread_us=w.spread_us,
+                                        default_us=outs[default].median_us if outs[default].status == "ok" else None,
+                                        ties=0, trials=len(prms), run_id=run_id, origin="")
+                records.finish_claim(s, hw_id, label, pid, digests[p.op])
+            stats.trials += len(prms)
+            stats.failed += sum(o.status != "ok" for o in outs.values())
+            stats.problems_done += 1
+            if win is None:
+                stats.no_winner.append(p.key)
+            report(f"{p.key}: {json.loads(win)['variant'] if win else 'no correct variant'}")

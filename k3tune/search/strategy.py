@@ -19,6 +19,7 @@ from optuna.trial import TrialState, create_trial
 
 from k3tune.errors import CannotImplement
 from k3tune.kernels import KernelConfig, KernelFamily, params_key
+from k3tune.kernels.base import ENUMERATE_LIMIT
 from k3tune.plan.problems import Problem
 from k3tune.plan.spec import SearchSettings
 
@@ -59,7 +60,6 @@ def _flat(fam: KernelFamily, cfg: KernelConfig) -> dict:
     return {"family": fam.name, **{f"{fam.name}:{k}": v for k, v in cfg.params().items()}}
 
 
-ENUMERATE_LIMIT = 50_000  # declared configs beyond which a space is sampled, never listed
 
 
 @dataclass
@@ -72,6 +72,16 @@ class ProblemSearch:
     stored: list = field(default_factory=list)  # stored Trial rows with current digests
 
     def __post_init__(self):
+        self.refused: list[str] = []
+        self.sat_out: list[str] = []
+        usable = []
+        for f in self.families:  # a family that admits the problem but has no valid config for it sits out
+            try:
+                f.default_config(self.problem)
+                usable.append(f)
+            except CannotImplement as e:
+                self.sat_out.append(f"{self.problem.key} {f.name}: {e}")
+        self.families = usable
         self.fams = {f.name: f for f in self.families}
         self.results: dict[tuple[str, str, int], Result] = {}
         self.in_flight: set[tuple[str, str, int]] = set()
@@ -100,7 +110,6 @@ class ProblemSearch:
         for f in self.families:
             for k, choices in self.space[f.name].items():
                 self.dists[f"{f.name}:{k}"] = CategoricalDistribution(list(choices))
-        self.refused: list[str] = []
         for t in self.stored:
             try:  # a stored trial outside the declared space is refused: never reused, never launched
                 self.fams[t.family].config_from_params(self.problem, t.params)
