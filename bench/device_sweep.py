@@ -22,6 +22,7 @@ def main() -> None:
     ap.add_argument("--db", required=True)
     ap.add_argument("--gpus", type=int, default=1)
     ap.add_argument("--trial-timeout", type=float, default=60.0)
+    ap.add_argument("--compile-procs", type=int, default=0, help="CPU processes compiling candidates ahead")
     args = ap.parse_args()
     sp = specs.load(args.spec)
     last = [0.0]
@@ -34,7 +35,7 @@ def main() -> None:
 
     st = run_sweep(SweepOptions(sp, models.load(sp.model_config), open_db(args.db), "gpu", args.gpus,
                                 trial_timeout_s=args.trial_timeout, command=" ".join(["bench/device_sweep.py", *sys.argv[1:]]),
-                                progress=progress))
+                                progress=progress, compile_procs=args.compile_procs))
     print(json.dumps({k: v for k, v in vars(st).items() if k != "last"}, default=str, indent=1))
 
 

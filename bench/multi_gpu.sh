@@ -3,18 +3,19 @@
 # winners compared later with `k3tune db diff`), then an N-GPU sweep with one worker killed -9 mid-run.
 # Usage (device tool, kind nvidia-h200-x2, carry [".carry"]): bash bench/multi_gpu.sh [N] [SPEC]
 # K3TUNE_WORKER_KERNEL_CACHE=1: workers share compiled kernels through the disk cache (each sweep below
-# starts from an empty cache directory, so the 1- and N-GPU runs compile alike)
+# starts from an empty cache directory, so the 1- and N-GPU runs compile alike); COMPILE_PROCS=P: P CPU
+# processes compile queued candidates ahead into that cache (`--compile-procs`, implies the shared cache)
 set -uo pipefail
 source .carry/cutedsl/unpack.sh || exit 1
 N=${1:-2}; SPEC=${2:-configs/sweep_h200_scaling.toml}
 nvidia-smi --query-gpu=index,name,clocks.sm,temperature.gpu --format=csv | tee $OUT/gpu.txt
 for g in 1 $N; do
   export K3TUNE_KERNEL_CACHE=$(mktemp -d)
-  timeout ${SWEEP_S:-120} python3 bench/device_sweep.py --spec $SPEC --db $OUT/gpus$g.sqlite --gpus $g \
+  timeout ${SWEEP_S:-120} python3 bench/device_sweep.py --spec $SPEC --db $OUT/gpus$g.sqlite --gpus $g --compile-procs ${COMPILE_PROCS:-0} \
     > $OUT/gpus$g.log 2>&1; echo "gpus=$g rc=$?"; grep -E '"(trials|seconds|failed|problems_done|workers_replaced)"' $OUT/gpus$g.log
 done
 export K3TUNE_KERNEL_CACHE=$(mktemp -d)
-timeout ${SWEEP_S:-120} python3 bench/device_sweep.py --spec $SPEC --db $OUT/killed.sqlite --gpus $N \
+timeout ${SWEEP_S:-120} python3 bench/device_sweep.py --spec $SPEC --db $OUT/killed.sqlite --gpus $N --compile-procs ${COMPILE_PROCS:-0} \
   > $OUT/killed.log 2>&1 &
 P=$!
 sleep ${KILL_AFTER:-15}
@@ -22,3 +23,4 @@ victim=$(pgrep -f spawn_main | head -1); echo "killing worker pid $victim"; kill
 wait $P; echo "killed run rc=$?"
 grep -E '"(trials|seconds|failed|problems_done|workers_replaced|workers_retired)"' $OUT/killed.log
 for f in $OUT/*.sqlite; do python3 -c "import sqlite3,sys; sqlite3.connect(sys.argv[1]).execute('PRAGMA wal_checkpoint(TRUNCATE)')" $f; done
+rm -f $OUT/*-wal $OUT/*-shm  # only 8 files come back from a device call

@@ -84,3 +84,83 @@ def test_install_puts_an_unedited_kernel_module_behind_the_cache(cache, monkeypa
 
     monkeypatch.setattr(cute, "compile", no_compile)
     assert callable(l2_prefetch.compiled("sm_90a"))
+
+
+_RACE = """
+import sys, warnings
+from k3tune.kernels import allreduce, compile_cache
+warnings.simplefilter("ignore", DeprecationWarning)
+assert callable(allreduce.compiled(2, False, 1e-6, 1, "sm_90a"))
+print(len(compile_cache.COMPILED))
+"""
+
+
+def test_two_processes_asking_for_one_kernel_compile_it_once(cache):
+    """Real processes started together: one takes the entry's lock and compiles, the other waits for the
+    entry and loads it (the duplicated compiles that held back the 2-GPU sweep)."""
+    import subprocess
+    import sys
+
+    procs = [subprocess.Popen([sys.executable, "-c", _RACE], stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    assert sorted(int(o.split()[-1]) for o in outs) == [0, 1], outs
+    assert len(list(cache.glob("allreduce-*.o"))) == 1 and not list(cache.glob(".*.lock"))
+
+
+def test_a_stale_lock_is_taken_over(cache):
+    import os
+    import time
+
+    from k3tune.kernels import compile_cache
+    from k3tune.kernels.compile_cache import LOCK_STALE_S, entry_name
+
+    name = entry_name("allreduce", (2, False, 1e-6, 1, "sm_90a"), ("k3tune.kernels.allreduce",))
+    lock = cache / f".{name}.lock"
+    lock.touch()
+    old = time.time() - LOCK_STALE_S - 1
+    os.utime(lock, (old, old))  # left by a process that died while compiling
+    before = len(compile_cache.COMPILED)
+    assert callable(_compile_allreduce())
+    assert len(compile_cache.COMPILED) == before + 1 and not lock.exists()
+
+
+_LOAD_FARMED = """
+import json, sys, warnings
+warnings.simplefilter("ignore", DeprecationWarning)
+from k3tune.kernels import compile_cache, family
+from k3tune.plan.problems import Problem
+compile_cache.install()
+p = Problem("kda.o_proj", "gemm", (("M", 4), ("N", 7168), ("K", 768)))
+for params in json.loads(sys.argv[1]):
+    fam = family("gemm.smallm")
+    fam.build(p, fam.config_from_params(p, params))
+print(len(compile_cache.COMPILED))
+"""
+
+
+def test_the_compile_farm_fills_the_cache_that_workers_load_from(cache, monkeypatch):
+    """CPU processes compile a search's queued candidates; a separate process building the same candidates
+    (as a GPU worker does) loads every kernel and compiles none."""
+    import json
+    import subprocess
+    import sys
+
+    from k3tune.kernels import family
+    from k3tune.plan.problems import Problem
+    from k3tune.search.compile_farm import CompileFarm
+
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    p = Problem("kda.o_proj", "gemm", (("M", 4), ("N", 7168), ("K", 768)))
+    fam = family("gemm.smallm")
+    params = [c.params() for c in list(fam.configs(p))[:2]]
+    with CompileFarm(2, "sm_90a") as farm:
+        assert all(farm.submit(p, "gemm.smallm", prm) for prm in params)
+        assert not farm.submit(p, "gemm.smallm", params[0]), "a candidate is compiled once"
+        assert not farm.submit(p, "gemm.cublas", {}), "nothing to compile for cuBLAS"
+        assert farm.wait() == (2, 0)
+    assert len(list(cache.glob("gemm_smallm-*.o"))) == 2
+    out = subprocess.run([sys.executable, "-c", _LOAD_FARMED, json.dumps(params)], capture_output=True, text=True,
+                         timeout=300, env={**__import__("os").environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-1] == "0", "the worker-side build loaded the farm's kernels"

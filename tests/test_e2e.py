@@ -23,9 +23,9 @@ def test_full_default_matrix_simulated_sweep(tmp_path):
         problems = c.execute("select count(*) from claims").fetchone()[0]
         winners = c.execute("select count(*) from winners").fetchone()[0]
         backends = {r[0] for r in c.execute("select distinct backend from trials")}
-    assert first["problems"] == problems == winners == 1106 and not first["no_winner"]
+    assert first["problems"] == problems == winners == 1124 and not first["no_winner"]
     assert backends == {"simulated"}
     again = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0
     second = json.loads(again.stdout)
-    assert second["trials"] == 0 and second["tuned_now"] == 0 and second["already_done"] == 1106
+    assert second["trials"] == 0 and second["tuned_now"] == 0 and second["already_done"] == 1124

@@ -266,7 +266,7 @@ def test_kill_9_mid_sweep_then_resume(tmp_path):
     with sqlite3.connect(db_path) as c:
         before = set(c.execute("select id, params_key, median_us from trials").fetchall())
         done_before = c.execute("select count(*) from claims where state='done'").fetchone()[0]
-    assert before and done_before < 1106
+    assert before and done_before < 1124
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     with sqlite3.connect(db_path) as c:
@@ -277,7 +277,7 @@ def test_kill_9_mid_sweep_then_resume(tmp_path):
         winners = c.execute("select count(*) from winners").fetchone()[0]
     assert before <= after  # nothing committed was lost or changed
     assert dups == 0
-    assert states == {"done": winners} and winners == 1106
+    assert states == {"done": winners} and winners == 1124
 
 
 def test_simulated_h200_cublas_is_calibrated_against_measurements():

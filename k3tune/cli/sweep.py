@@ -40,6 +40,8 @@ def sweep(
     trial_timeout: Annotated[float, typer.Option(help="Seconds before a hung candidate is killed (costs one trial).")] = 120.0,
     lease: Annotated[float, typer.Option(help="Seconds a claimed problem stays ours without renewal (scale-out).")] = 300.0,
     wait: Annotated[bool, typer.Option(help="Wait for problems other machines have claimed, taking over expired ones.")] = True,
+    compile_procs: Annotated[int, typer.Option(help="CPU processes compiling queued candidates ahead into the shared "
+                                                    "kernel cache (GPU sweeps; 0: each worker compiles its own).")] = 0,
     json: JsonOption = False,
 ) -> None:
     """Tune every problem of the deployment matrix and store every trial and the winners.
@@ -68,6 +70,8 @@ def sweep(
             raise HardwareError(f"--gpus {workers} asked for, but only {visible} GPU(s) are visible")
     if workers < 1:
         raise ConfigError("--gpus must be at least 1")
+    if compile_procs < 0:
+        raise ConfigError("--compile-procs must be 0 or more")
     target = db_target(db)
     if "://" not in target and Path(target).resolve().parent == tuning_db_dir().resolve():
         raise ConfigError(f"{target}: tuning_db/ is read-only shipped data; sweep into another database and "
@@ -86,7 +90,8 @@ def sweep(
                             info=f"trials {st.trials} failed {st.failed}{best}")
 
         stats = run_sweep(SweepOptions(sp, model, database, backend, workers, hw=hw, trial_timeout_s=trial_timeout,
-                                       lease_s=lease, wait_for_others=wait, command=command, progress=on_progress))
+                                       lease_s=lease, wait_for_others=wait, command=command, progress=on_progress,
+                                       compile_procs=compile_procs))
     summary = {"database": str(database.path or database.url), "backend": label, "run_id": stats.run_id,
                "problems": stats.problems_total, "already_done": stats.problems_done_before,
                "tuned_now": stats.problems_done, "trials": stats.trials, "failed_trials": stats.failed,

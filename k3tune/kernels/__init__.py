@@ -46,8 +46,23 @@ def _candidates(kind: str, backend: str) -> tuple[KernelFamily, ...]:
 
 
 def families_for(problem: Problem, backend: str) -> list[KernelFamily]:
-    """Families that implement the problem and may run on the backend, safest first."""
-    return [f for f in _candidates(problem.kind, backend) if f.can_implement(problem) and f.runs_on(problem, backend)]
+    """Families that implement the problem (with at least one valid config) and may run on the backend,
+    safest first."""
+    return [f for f in _candidates(problem.kind, backend)
+            if f.can_implement(problem) and f.runs_on(problem, backend) and _has_config(f, problem)]
+
+
+@functools.lru_cache(maxsize=65536)
+def _has_config(f: KernelFamily, problem: Problem) -> bool:
+    """A family can admit a problem's shape yet have no valid config for it (e.g. the small-M GEMM's warps
+    over a K of 224): such a family is not offered, searched or served."""
+    from k3tune.errors import CannotImplement
+
+    try:
+        f.default_config(problem)
+        return True
+    except CannotImplement:
+        return False
 
 
 @functools.cache

@@ -50,26 +50,87 @@ def cached_compile(kind: str, key: tuple, modules: tuple[str, ...], compile_fn: 
     name = entry_name(kind, key, modules)
     prefix = "k3t_" + name.replace("-", "_").replace(".", "_")
     path = root / f"{name}.o"
-    if path.exists():
-        try:
-            from cutlass.cute.runtime import load_module
-
-            _runtime_for_cpu()
-            return getattr(load_module(str(path)), prefix)
-        except Exception:  # unreadable or from another DSL build: compile it again (and replace it)
-            path.unlink(missing_ok=True)
-    fn = compile_fn()
+    loaded = _load(path, prefix)
+    if loaded is not None:
+        return loaded
+    lock = _claim(root, name)
+    if lock is None:  # another process is compiling this kernel: wait for its entry rather than compile twice
+        loaded = _wait_for(path, prefix, root / f".{name}.lock")
+        if loaded is not None:
+            return loaded
     try:
+        fn = compile_fn()
+        COMPILED.append(name)
+        try:
+            _runtime_for_cpu()
+            data = fn.dump_to_object(prefix)
+            fd, tmp = tempfile.mkstemp(dir=root, prefix=f".{name}.", suffix=".tmp")
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)  # atomic: concurrent writers of one entry leave one whole file
+        except Exception:  # caching is an optimisation: the compiled kernel is returned regardless
+            pass
+        return fn
+    finally:
+        if lock is not None:
+            lock.unlink(missing_ok=True)
+
+
+COMPILED: list[str] = []  # entries this process compiled (rather than loaded): for tests and reports
+LOCK_STALE_S = 120.0  # a compile lock older than this belongs to a dead or stuck process: ignored
+
+
+def _load(path: Path, prefix: str):
+    if not path.exists():
+        return None
+    try:
+        from cutlass.cute.runtime import load_module
+
         _runtime_for_cpu()
-        data = fn.dump_to_object(prefix)
+        return getattr(load_module(str(path)), prefix)
+    except Exception:  # unreadable or from another DSL build: compile it again (and replace it)
+        path.unlink(missing_ok=True)
+        return None
+
+
+def _claim(root: Path, name: str) -> Path | None:
+    """The compile lock of an entry (created exclusively), or None when another live process holds it. A
+    stale lock is taken over. Without a writable cache directory nobody can hold one: compile."""
+    lock = root / f".{name}.lock"
+    try:
         root.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=root, prefix=f".{name}.", suffix=".tmp")
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)  # atomic: concurrent writers of one entry leave one whole file
-    except Exception:  # caching is an optimisation: the compiled kernel is returned regardless
+        for _ in range(2):
+            try:
+                os.close(os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+                return lock
+            except FileExistsError:
+                if _age(lock) < LOCK_STALE_S:
+                    return None
+                lock.unlink(missing_ok=True)  # stale: take it over
+    except OSError:
         pass
-    return fn
+    return None
+
+
+def _age(p: Path) -> float:
+    import time
+
+    try:
+        return time.time() - p.stat().st_mtime
+    except FileNotFoundError:
+        return 0.0
+
+
+def _wait_for(path: Path, prefix: str, lock: Path):
+    """The entry another process is compiling, once written; None if its lock goes away without one (it
+    failed) or grows stale."""
+    import time
+
+    while lock.exists() and _age(lock) < LOCK_STALE_S:
+        if path.exists():
+            break
+        time.sleep(0.05)
+    return _load(path, prefix)
 
 
 # kernel modules whose ``compiled(...)`` (hashable knobs + arch) can be put behind the cache without editing

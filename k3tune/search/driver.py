@@ -19,10 +19,12 @@ from sqlalchemy import select
 
 from k3tune.errors import ConfigError, HardwareError
 from k3tune.kernels import FAMILIES, families_for, op_digest
+from k3tune.kernels.gemm_smallm import current_arch
 from k3tune.plan import hardware, problems as plans
 from k3tune.plan.hardware import Fingerprint, HardwareSpec
 from k3tune.plan.model import ModelConfig
 from k3tune.plan.spec import SweepSpec
+from k3tune.search.compile_farm import CompileFarm
 from k3tune.search.outcome import Task
 from k3tune.search.strategy import Candidate, ProblemSearch
 from k3tune.search.workers import WorkerPool
@@ -46,6 +48,7 @@ class SweepOptions:
     wait_for_others: bool = True
     command: str = "k3tune sweep"
     progress: Callable[[SweepStats], None] | None = None
+    compile_procs: int = 0  # gpu: CPU processes compiling queued candidates ahead into the shared kernel cache
 
 
 @dataclass
@@ -151,6 +154,8 @@ def run_sweep(opt: SweepOptions) -> SweepStats:
         near = sorted(neighbours.get(p.op, []), key=lambda n: _neighbour_distance(n[0], p))[:2]
         search = ProblemSearch(p, fams, opt.spec.search, seed=opt.spec.search.seed + pid, stored=stored,
                                warm=[(f, prm) for _, f, prm in near])
+        for cand in search.queue:  # known before anything is measured: compile them now, on spare cores
+            farm.submit(p, cand.family, cand.params)
         stats.reused += len(stored) - len(search.refused)
         stats.refused.extend(search.refused)
         return search
@@ -175,6 +180,8 @@ def run_sweep(opt: SweepOptions) -> SweepStats:
         stats.problems_done += 1
         report(f"{p.key}: {d.family or 'no correct candidate'} {d.median_us:.2f} us")
 
+    farm = CompileFarm(opt.compile_procs if opt.backend == "gpu" else 0, current_arch())
+    worker_env = {"K3TUNE_WORKER_KERNEL_CACHE": "1"} if farm.procs else {}  # workers load what the farm built
     try:
         coll = {pid: d for pid, d in wanted.items() if by_id[pid].kind == "allreduce"}
         if coll:  # collectives first, on a group of this sweep's GPUs (no one-GPU worker can run them)
@@ -184,7 +191,7 @@ def run_sweep(opt: SweepOptions) -> SweepStats:
                 _tune_collectives([by_id[pid] for pid in got], pids, opt, hw_id, run_id, label, digests, stats, report)
             wanted = {pid: d for pid, d in wanted.items() if pid not in coll}
         with WorkerPool(opt.workers if wanted else 0, backend_spec, opt.trial_timeout_s,
-                        pin_gpus=opt.backend == "gpu") as pool:
+                        pin_gpus=opt.backend == "gpu", env=worker_env) as pool:
             while True:
                 if len(active) < target_active:
                     with opt.db.session() as s:
@@ -210,6 +217,7 @@ def run_sweep(opt: SweepOptions) -> SweepStats:
                                 break
                             next_task += 1
                             task_of[next_task] = (pid, cand)
+                            farm.submit(by_id[pid], cand.family, cand.params)
                             pool.submit(idle.pop(), Task(next_task, by_id[pid], cand.family, cand.params, cand.round,
                                                          search.samples_for(cand)))
                         if search.finished:
@@ -246,6 +254,7 @@ def run_sweep(opt: SweepOptions) -> SweepStats:
         status = "interrupted"
         raise
     finally:
+        farm.close()
         try:
             with opt.db.session() as s:
                 if status != "done":

@@ -79,8 +79,9 @@ class _Slot:
 
 
 class WorkerPool:
-    def __init__(self, n: int, backend_spec: tuple, trial_timeout_s: float, pin_gpus: bool):
+    def __init__(self, n: int, backend_spec: tuple, trial_timeout_s: float, pin_gpus: bool, env: dict | None = None):
         self.backend_spec = backend_spec
+        self.env = dict(env or {})  # extra environment for every worker
         self.timeout = trial_timeout_s
         self.pin = pin_gpus
         self.ctx = mp.get_context("spawn")
@@ -98,7 +99,7 @@ class WorkerPool:
 
     def _start(self, slot: _Slot) -> None:
         parent, child = self.ctx.Pipe()
-        child_env = {"K3TUNE_WORKER_SLOT": str(slot.index), "K3TUNE_WORKER_RESTARTS": str(slot.restarts)}
+        child_env = {**self.env, "K3TUNE_WORKER_SLOT": str(slot.index), "K3TUNE_WORKER_RESTARTS": str(slot.restarts)}
         if self.pin:
             visible = os.environ.get("CUDA_VISIBLE_DEVICES")
             child_env["CUDA_VISIBLE_DEVICES"] = visible.split(",")[slot.index] if visible else str(slot.index)

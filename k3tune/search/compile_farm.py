@@ -1,0 +1,84 @@
+"""Compiling a sweep's candidate kernels ahead, on the machine's CPU cores, into the shared disk cache.
+
+CuTe DSL compilation runs on the CPU and took ~70% of a measured dense sweep: each GPU worker compiled the
+kernel it was about to time, one at a time, and two workers often compiled the same one. A farm of
+``procs`` spawned CPU processes (no CUDA context) compiles the candidates a search has queued (its default,
+seeds, warm starts, or its whole space when that is small) as soon as the search opens, and every candidate
+when it is dispatched; the workers then load them from the cache (kernels/compile_cache.py, whose per-entry
+lock makes a worker wait for a compile in progress instead of repeating it).
+
+Only families whose ``build`` compiles eagerly from knobs and shapes alone are farmed (``FARMED``); a block
+family compiles inside its executor, at measurement time, on the GPU worker. The farm is an optimisation:
+a failed or slow compile here only means the worker compiles it itself (and records a failure, if any).
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import Future, ProcessPoolExecutor
+
+from k3tune.plan.problems import Problem
+
+# families whose build() compiles its kernel from the problem and the config alone (no GPU memory needed)
+FARMED = frozenset({"gemm.smallm", "gemm.splitk_tc"})
+
+
+def _init(arch: str) -> None:
+    os.environ.setdefault("CUTE_DSL_ARCH", arch)
+    from k3tune.kernels import compile_cache
+
+    compile_cache.install()
+
+
+def _compile(problem: Problem, family: str, params: dict) -> str:
+    from k3tune.kernels import family as get_family
+
+    fam = get_family(family)
+    fam.build(problem, fam.config_from_params(problem, params))
+    return family
+
+
+class CompileFarm:
+    """``with CompileFarm(procs, arch) as farm: farm.submit(problem, family, params)``; duplicates are
+    submitted once. ``procs`` 0 makes every call a no-op."""
+
+    def __init__(self, procs: int, arch: str):
+        import multiprocessing as mp
+
+        self.procs = procs
+        self.pool = (ProcessPoolExecutor(procs, mp_context=mp.get_context("spawn"), initializer=_init,
+                                         initargs=(arch,)) if procs > 0 else None)
+        self.seen: set[tuple[str, str, str]] = set()
+        self.futures: list[Future] = []
+
+    def __enter__(self) -> CompileFarm:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def submit(self, problem: Problem, family: str, params: dict) -> bool:
+        """Queue one candidate's kernel; False when not farmed (family, duplicate, or no farm)."""
+        from k3tune.kernels import params_key
+
+        key = (problem.key, family, params_key(params))
+        if self.pool is None or family not in FARMED or key in self.seen:
+            return False
+        self.seen.add(key)
+        self.futures.append(self.pool.submit(_compile, problem, family, params))
+        return True
+
+    def wait(self) -> tuple[int, int]:
+        """Block until everything queued is compiled: (done, failed). For tests and reports."""
+        failed = 0
+        for f in self.futures:
+            try:
+                f.result()
+            except Exception:  # the worker will compile it itself and record what fails
+                failed += 1
+        return len(self.futures), failed
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=False, cancel_futures=True)
+            self.pool = None
