@@ -70,13 +70,13 @@ def main() -> None:
     ap.add_argument("--served", action="store_true", help="also run the block as served: every knob from the "
                     "database's moe.block winner (MoEBlock.serve)")
     args = ap.parse_args()
-    from k3tune.runtime.partition import green_partition
+    from k3tune.runtime.partition import shared_partition
 
     sh = BlockShape.from_config(configs_dir() / "kimi_k3_config.json")
     sel = Selector.load(args.db, model=models.load(configs_dir() / args.model))
     sms_list = [int(v) for v in args.shared_sms.split(",")]
     pf_list = [int(v) for v in args.prefetch_mib.split(",")]
-    streams = {n: green_partition(n).stream for n in sms_list if n}
+    splits = {n: shared_partition(n) for n in sms_list if n}  # shared experts on n SMs, routed on the rest
     even_sms = torch.cuda.get_device_properties(0).multi_processor_count // 2 // 8 * 8  # 64 of an H200's 132
     bw = copy_bandwidth()
     print(f"# {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s, table {sel.hash}, collectives: "
@@ -109,7 +109,9 @@ def main() -> None:
                         else:
                             blocks = [MoEBlock.serve(w, sel, batch, comm=comm) if path == "served" else
                                       MoEBlock.build(w, path, batch=batch, selector=sel, prefetch_mib=pf,
-                                                     shared_stream=streams.get(sms), comm=comm)
+                                                     shared_stream=splits[sms].shared.stream if sms else None,
+                                                     routed_stream=splits[sms].rest.stream if sms else None,
+                                                     comm=comm)
                                       for w in layers[fmt]]
                         for b in blocks:
                             b.force_top = top

@@ -34,11 +34,11 @@ def main() -> None:
                     "'rows,warps,unroll/rows,warps,unroll/per' (w13/w2/tokens per item); empty: the default")
     ap.add_argument("--grep", default="", help="print only kernels whose name contains one of these (',')")
     args = ap.parse_args()
-    from k3tune.runtime.partition import green_partition
+    from k3tune.runtime.partition import shared_partition
 
     sh = BlockShape.from_config(configs_dir() / "kimi_k3_config.json")
     sel = Selector.load()
-    stream = green_partition(args.shared_sms).stream if args.shared_sms else None
+    split = shared_partition(args.shared_sms) if args.shared_sms else None  # shared on n SMs, routed on the rest
     layers = [random_weights(sh, args.tp, device="cuda", seed=i) for i in range(4)]
     for batch in (int(b) for b in args.batches.split(",")):
         ids = routings.sample(args.routing, sh.experts, sh.top_k, batch, random.Random(batch))
@@ -48,7 +48,9 @@ def main() -> None:
         for path, cfg in [(p, c) for p in args.paths.split(",") for c in (cfgs if p == "tuned" else [None])]:
             comm = EmulatedComm(args.tp) if args.link == "none" else EmulatedComm.for_target(args.link, args.tp)
             blocks = [MoEBlock.build(w, path, batch=batch, selector=sel, prefetch_mib=args.prefetch_mib,
-                                     shared_stream=stream, comm=comm, experts_cfg=cfg) for w in layers]
+                                     shared_stream=split.shared.stream if split else None,
+                                     routed_stream=split.rest.stream if split else None,
+                                     comm=comm, experts_cfg=cfg) for w in layers]
             for b in blocks:
                 b.force_top = top
             s = torch.cuda.Stream()

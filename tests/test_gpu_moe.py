@@ -83,6 +83,38 @@ def test_shared_experts_in_a_green_context_partition():
         part.close()
 
 
+def test_a_real_split_shared_on_16_sms_routed_on_the_rest_matches_and_captures():
+    """The SMs split in two green contexts: the shared experts on 16, the routed experts on the other 116;
+    the block matches the reference eagerly and replayed from a CUDA graph."""
+    import torch
+
+    from k3tune.runtime import Selector
+    from k3tune.runtime.partition import green_split
+
+    split = green_split(16)
+    try:
+        total = torch.cuda.get_device_properties(0).multi_processor_count
+        assert split.shared.sms == 16 and split.rest.sms == total - 16
+        w = random_weights(K3, 16, device="cuda", seed=6)
+        blk = MoEBlock.build(w, "tuned", batch=8, selector=Selector.load(), shared_stream=split.shared.stream,
+                             routed_stream=split.rest.stream)
+        assert blk.ran["routed"] == f"stream (green context, {total - 16} SMs)"
+        x, eager = _check(blk, w, 8)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            blk(x)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = blk(x)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
+    finally:
+        split.close()
+
+
 @pytest.mark.parametrize("b,k,experts,inter,latent", [(3, 4, 16, 96, 264), (9, 4, 40, 64, 128), (1, 16, 896, 384, 3584),
                                                       (64, 16, 896, 192, 3584), (33, 16, 896, 384, 3584)])
 def test_routed_expert_kernels_match_torch(b, k, experts, inter, latent):

@@ -129,11 +129,26 @@ def test_sm_partition_refusals():
     from k3tune.errors import HardwareError
     from k3tune.runtime.partition import green_partition
 
+    from k3tune.runtime.partition import green_split
+
     with pytest.raises(ConfigError, match="multiple of 8"):
         green_partition(12)
+    with pytest.raises(ConfigError, match="multiple of 8"):
+        green_split(4)
     if not torch.cuda.is_available():
         with pytest.raises(HardwareError, match="need a CUDA GPU"):
             green_partition(16)
+        with pytest.raises(HardwareError, match="need a CUDA GPU"):
+            green_split(16)
+
+
+def test_a_routed_stream_needs_the_shared_one():
+    import torch
+
+    w = random_weights(SMALL, 1)
+    with pytest.raises(ConfigError, match="rest of a split"):
+        MoEBlock.build(w, "tuned", batch=2, selector=Selector.load(None), experts="grouped_mm",
+                       routed_stream=torch.cuda.current_stream() if torch.cuda.is_available() else object())
 
 
 def test_prefetch_and_cute_experts_refuse_a_cpu_block():

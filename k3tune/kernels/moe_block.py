@@ -132,9 +132,11 @@ def _selector():
 
 
 def _partition(sms: int):
+    """(shared experts' stream, routed experts' stream): the device's SMs split ``sms`` / the rest."""
     from k3tune.runtime.partition import shared_partition
 
-    return shared_partition(sms).stream
+    split = shared_partition(sms)
+    return split.shared.stream, split.rest.stream
 
 
 @dataclass(frozen=True)
@@ -209,7 +211,7 @@ class MoeOverlap(_BlockOnGpu, KernelFamily):
             "w2_warps": (1, 2, 4),
             "w2_unroll": (1, 2),
             "w2_lanes": (4, 8, 16, 32),
-            "group": (1, 2, 4, 8),
+            "group": (1, 2, 4, 8, 16, 32),  # tokens per work item (16, 32: the tensor-core kernels' hot experts)
             "shared_sms": (0, 8, 16, 24, 32, 40, 48, 64),  # 64 of an H200's 132 is the even split
             "prefetch_mib": (0, 4, 8, 16, 32),
         }
@@ -220,8 +222,8 @@ class MoeOverlap(_BlockOnGpu, KernelFamily):
         p = cfg.group
         if problem["format"] != "bf16" and cfg.experts_kernel != "tensor_core":
             return False  # MXFP4 experts: only the tensor-core kernels dequantise in registers
-        if cfg.experts_kernel == "tensor_core":  # items up to 8 tokens (one MMA N tile) or 16 (two)
-            return p <= max(1, problem["M"]) and p <= 16 and self._tc_cfgs(cfg)[0].tokens >= p
+        if cfg.experts_kernel == "tensor_core":  # items of up to 8, 16 or 32 tokens (1, 2 or 4 MMA N tiles)
+            return p <= max(1, problem["M"]) and p <= 32 and self._tc_cfgs(cfg)[0].tokens >= p
         return (p <= max(1, problem["M"]) and 4 * (2 * cfg.w13_rows + p) * cfg.w13_unroll <= 160
                 and 2 * cfg.w13_rows * p <= 64 and 4 * (cfg.w2_rows + p) * cfg.w2_unroll <= 160
                 and cfg.w2_rows * p <= 64)
@@ -230,7 +232,7 @@ class MoeOverlap(_BlockOnGpu, KernelFamily):
     def _tc_cfgs(cfg: MoeOverlapConfig):
         from k3tune.kernels.moe_experts_tc import TcExpertConfig
 
-        nt = 2 if cfg.group > 8 else 1
+        nt = -(-cfg.group // 8)  # 8-token MMA tiles per work item: a hot expert's tokens read its weights once
         return (TcExpertConfig(cfg.tc13_mt, cfg.tc13_wn, cfg.tc13_wk, nt, cfg.tc13_unroll),
                 TcExpertConfig(cfg.tc2_mt, cfg.tc2_wn, cfg.tc2_wk, nt, cfg.tc2_unroll))
 
@@ -249,8 +251,8 @@ class MoeOverlap(_BlockOnGpu, KernelFamily):
         experts = ((*self._tc_cfgs(cfg), cfg.group) if cfg.experts_kernel == "tensor_core" else
                    (ExpertKernelConfig(cfg.w13_rows, cfg.w13_warps, cfg.w13_unroll),
                     ExpertKernelConfig(cfg.w2_rows, cfg.w2_warps, cfg.w2_unroll, cfg.w2_lanes), cfg.group))
-        return {"experts_cfg": experts,
-                "shared_stream": _partition(cfg.shared_sms) if cfg.shared_sms else None,
+        shared, routed = _partition(cfg.shared_sms) if cfg.shared_sms else (None, None)
+        return {"experts_cfg": experts, "shared_stream": shared, "routed_stream": routed,
                 "prefetch_mib": cfg.prefetch_mib}
 
     def simulate_us(self, problem: Problem, cfg: MoeOverlapConfig, hw, roofline_us) -> float:

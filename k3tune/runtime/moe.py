@@ -276,13 +276,14 @@ class MoEBlock:
     _gemms: dict = field(default_factory=dict)
     _cache: dict = field(default_factory=dict)
     _side: object = None
+    _routed: object = None  # the routed experts' stream on the rest of an SM split (None: every SM)
     last_top: object = None  # the experts the last step chose [tokens, top_k]
     force_top: object = None  # measurement only: impose the experts (a recorded or synthetic routing)
 
     @classmethod
     def build(cls, weights: RankWeights, path: str, batch: int, draft: int = 0, selector=None,
               comm: EmulatedComm | None = None, shared_stream=None, experts: str | None = None,
-              prefetch_mib: int = 0, experts_cfg: tuple | None = None) -> MoEBlock:
+              prefetch_mib: int = 0, experts_cfg: tuple | None = None, routed_stream=None) -> MoEBlock:
         """``experts``: 'cute' (k3tune's grouped GEMV kernels, bf16 weights, GPU), 'grouped_mm'
         (torch._grouped_mm; MXFP4 dequantised first), or None: 'cute' on the tuned path where it can run."""
         import torch
@@ -323,6 +324,13 @@ class MoEBlock:
                 blk.ran["shared"] = f"side stream {getattr(shared_stream, 'k3tune_label', '')}".strip()
             else:
                 blk.ran["shared"] = "serial, after the routed experts"
+            if routed_stream is not None:  # the SMs the shared experts leave: the split is a real split
+                if shared_stream is None:
+                    raise ConfigError("a routed-expert stream is the rest of a split: give the shared stream too")
+                blk._routed = routed_stream
+                blk.ran["routed"] = f"stream {getattr(routed_stream, 'k3tune_label', '')}".strip()
+            else:
+                blk.ran["routed"] = "the current stream (every SM)"
         cfg = experts_cfg or (moe_experts_tc.default_config(tokens) if w.fmt == "mxfp4"
                               else moe_experts.default_config(tokens))
         tensor_core = isinstance(cfg[0], moe_experts_tc.TcExpertConfig)
@@ -387,12 +395,34 @@ class MoEBlock:
     def __call__(self, x):
         import torch
 
-        w, shape = self.weights, self.weights.shape
         side = self._side
         if side is not None:  # the shared experts start with the block, beside routing and the experts
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 shared = self._shared(x)
+        routed = self._routed
+        if routed is None:
+            up = self._routed_part(x)
+        else:  # on the SMs the shared experts' partition leaves, joined back before the final all-reduce
+            main = torch.cuda.current_stream()
+            routed.wait_stream(main)
+            with torch.cuda.stream(routed):
+                up = self._routed_part(x)
+            main.wait_stream(routed)
+        if side is None:
+            shared = self._shared(x)
+        else:
+            torch.cuda.current_stream().wait_stream(side)
+        if self._cache.get("prefetch") is not None:
+            torch.cuda.current_stream().wait_stream(self._cache["prefetch"][0])  # joined: graph-capturable
+        return self.comm.all_reduce_add(shared, up)
+
+    def _routed_part(self, x):
+        """Router + latent GEMM, gather, routing, the routed experts, norm, up-projection: this rank's partial
+        of the up-projected routed output."""
+        import torch
+
+        w, shape = self.weights, self.weights.shape
         if self.path == "stock":
             y = torch.nn.functional.linear(x, self._cache["w_rl_full"])
         else:
@@ -418,13 +448,7 @@ class MoEBlock:
         # rank's own bytes gives the all-reduced product exactly (see the module doc)
         up = (torch.nn.functional.linear(normed, self._cache["w_up_full"]) if self.path == "stock"
               else self._gemms["moe.latent_up"](normed))
-        if side is None:
-            shared = self._shared(x)
-        else:
-            torch.cuda.current_stream().wait_stream(side)
-        if self._cache.get("prefetch") is not None:
-            torch.cuda.current_stream().wait_stream(self._cache["prefetch"][0])  # joined: graph-capturable
-        return self.comm.all_reduce_add(shared, up)
+        return up
 
     def _cute_routed(self, y, latent):
         """Routing, both expert projections, the slot sum and the RMSNorm: five launches. The emulated

@@ -1,5 +1,6 @@
-"""SM partitions for running the shared experts beside the routed ones: a CUDA green context with a fixed
-number of SMs (cuda-python driver API), and a torch stream on it.
+"""SM partitions for running the shared experts beside the routed ones: the device's SMs split into two CUDA
+green contexts (cuda-python driver API), a fixed number for the shared experts and the rest for the routed
+ones, each with a torch stream.
 
 Hopper hands out SM groups in multiples of 8 (at least 8); Blackwell's granularity is read from the device.
 The partition lives as long as the returned object; kernels launched on its stream run only on its SMs.
@@ -43,6 +44,23 @@ class SmPartition:
 
 def green_partition(n_sms: int, device: int = 0) -> SmPartition:
     """A green context of ``n_sms`` SMs (a multiple of 8) and a non-blocking torch stream on it."""
+    return green_split(n_sms, device, rest=False).shared
+
+
+@dataclass
+class SmSplit:
+    shared: SmPartition  # the shared experts' SMs
+    rest: SmPartition | None  # every other SM: the routed experts' (None when not asked for)
+
+    def close(self) -> None:
+        self.shared.close()
+        if self.rest is not None:
+            self.rest.close()
+
+
+def green_split(n_sms: int, device: int = 0, rest: bool = True) -> SmSplit:
+    """The device's SMs split in two green contexts, ``n_sms`` (a multiple of 8) and the rest, each with a
+    non-blocking torch stream: kernels on one stream never run on the other's SMs."""
     import torch
     from cuda.bindings import driver as cuda
 
@@ -53,27 +71,36 @@ def green_partition(n_sms: int, device: int = 0) -> SmPartition:
     total = torch.cuda.get_device_properties(device).multi_processor_count
     if n_sms >= total:
         raise ConfigError(f"an SM partition of {n_sms} SMs leaves nothing of the {total} SMs for the rest")
-    torch.cuda.init()  # torch's primary context first: the green context shares its device
+    torch.cuda.init()  # torch's primary context first: the green contexts share its device
     dev = _check(cuda.cuDeviceGet(device), "cuDeviceGet")
     res = _check(cuda.cuDeviceGetDevResource(dev, cuda.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM),
                  "cuDeviceGetDevResource")
-    groups, _, _ = _check(cuda.cuDevSmResourceSplitByCount(1, res, 0, n_sms), "cuDevSmResourceSplitByCount")
-    desc = _check(cuda.cuDevResourceGenerateDesc([groups[0]], 1), "cuDevResourceGenerateDesc")
+    groups, _, remaining = _check(cuda.cuDevSmResourceSplitByCount(1, res, 0, n_sms), "cuDevSmResourceSplitByCount")
+    shared = _on_green_context(groups[0], dev, device)
+    return SmSplit(shared, _on_green_context(remaining, dev, device) if rest else None)
+
+
+def _on_green_context(resource, dev, device: int) -> SmPartition:
+    import torch
+    from cuda.bindings import driver as cuda
+
+    desc = _check(cuda.cuDevResourceGenerateDesc([resource], 1), "cuDevResourceGenerateDesc")
     ctx = _check(cuda.cuGreenCtxCreate(desc, dev, cuda.CUgreenCtxCreate_flags.CU_GREEN_CTX_DEFAULT_STREAM),
                  "cuGreenCtxCreate")
     raw = _check(cuda.cuGreenCtxStreamCreate(ctx, cuda.CUstream_flags.CU_STREAM_NON_BLOCKING, 0),
                  "cuGreenCtxStreamCreate")
     stream = torch.cuda.ExternalStream(int(raw), device=device)
-    granted = groups[0].sm.smCount
+    granted = resource.sm.smCount
     stream.k3tune_label = f"(green context, {granted} SMs)"
     return SmPartition(granted, stream, ctx, raw)
 
 
-_CACHE: dict[tuple[int, int], SmPartition] = {}
+_CACHE: dict[tuple[int, int], SmSplit] = {}
 
 
-def shared_partition(n_sms: int, device: int = 0) -> SmPartition:
-    """One partition per (size, device) for the life of the process: green contexts are not free to make."""
+def shared_partition(n_sms: int, device: int = 0) -> SmSplit:
+    """One split per (size, device) for the life of the process: green contexts are not free to make. The
+    shared experts run on ``.shared``, the routed experts on ``.rest``."""
     if (n_sms, device) not in _CACHE:
-        _CACHE[(n_sms, device)] = green_partition(n_sms, device)
+        _CACHE[(n_sms, device)] = green_split(n_sms, device)
     return _CACHE[(n_sms, device)]
