@@ -106,8 +106,9 @@ def _fake_args(kind: str, fmt: str, arch: str):
 
 @functools.cache
 def compiled(kind: str, knobs: tuple, fmt: str, arch: str):
-    """One compile per projection, knobs (m_tiles, warps_n, warps_k, n_tiles, unroll[, beta, linear_beta]),
-    format and arch; batch, widths and expert counts are dynamic. Never call inside a capture."""
+    """One compile per projection, knobs (m_tiles, warps_n, warps_k, n_tiles, unroll, beta, linear_beta[,
+    staged K]), format and arch; batch, widths and expert counts are dynamic (K up to the staged K when
+    staging). Never call inside a capture."""
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream
 
@@ -135,9 +136,19 @@ def run_w2(cfg: TcExpertConfig, act, w2, out, weights, groups, scales=None, stre
     """out[slot, :L] = weight[slot] * act[slot] . w2 rows (fp32), over ``groups``' work items."""
     fmt = "bf16" if scales is None else "mxfp4"
     check(cfg, groups, act.shape[1], fmt)
-    fn = compiled("w2", (cfg.m_tiles, cfg.warps_n, cfg.warps_k, cfg.n_tiles, cfg.unroll, 0.0, 0.0), fmt,
-                  current_arch())
+    fn = compiled("w2", (cfg.m_tiles, cfg.warps_n, cfg.warps_k, cfg.n_tiles, cfg.unroll, 0.0, 0.0,
+                         stage_k(act.shape[1], cfg)), fmt, current_arch())
     _launch(fn, act, w2, scales, out, weights, groups, stream)
+
+
+STAGE_BYTES = 24 * 1024  # activations staged per CTA at most (w2's K of 192-384: up to 4 token tiles)
+
+
+def stage_k(k: int, cfg: TcExpertConfig) -> int:
+    """The K (rounded up to 128) whose activations a CTA stages in shared memory, or 0 when the item's rows
+    would not fit ``STAGE_BYTES`` (then every warp loads them from L2)."""
+    kk = -(-k // 128) * 128
+    return kk if 2 * kk * cfg.tokens <= STAGE_BYTES else 0
 
 
 def _launch(fn, x, w, scales, out, weights, groups, stream):
@@ -172,9 +183,10 @@ def _kernel_class():
         return q << n if n >= 0 else q >> (-n)
 
     class TcExpertGemm:
-        def __init__(self, which, fmt, mt, wn, wk, nt, unroll, beta=0.0, linear_beta=0.0):
+        def __init__(self, which, fmt, mt, wn, wk, nt, unroll, beta=0.0, linear_beta=0.0, stage=0):
             self.w13, self.fp4 = which == "w13", fmt == "mxfp4"
             self.mt, self.wn, self.wk, self.nt, self.unroll = mt, wn, wk, nt, unroll
+            self.stage = stage  # > 0: the item's activations (K <= stage) staged in shared memory per CTA
             self.mtot = 2 * mt if self.w13 else mt  # MMA row tiles a warp computes (gate + up for w13)
             self.beta, self.lin = beta, linear_beta
             self.cta_rows = 16 * mt * wn
@@ -224,6 +236,12 @@ def _kernel_class():
             nacc = 4 * MTOT * NT
             smem = cutlass.utils.SmemAllocator()
             red = smem.allocate_tensor(Float32, cute.make_layout((nacc, 32, WN, max(WK - 1, 1))), 16)
+            if cutlass.const_expr(self.stage > 0):  # every warp reads the item's activations from here
+                sX = smem.allocate_tensor(BFloat16, cute.make_layout((8 * NT, self.stage), stride=(self.stage, 1)),
+                                          16)
+                gXs = cute.zipped_divide(sX, (1, VEC))
+                tv = cute.make_rmem_tensor(cute.make_layout(VEC), BFloat16)
+                s_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
 
             for it in cutlass.range(bidx, mCnt[n_experts], gdx):
                 code = mItems[it]
@@ -235,12 +253,24 @@ def _kernel_class():
                     xrows.append(sl // k if cutlass.const_expr(self.w13) else sl)
                 acc = cute.make_rmem_tensor(cute.make_layout((4, MTOT, NT)), Float32)
                 acc.fill(0.0)
+                xsrc = gX
+                if cutlass.const_expr(self.stage > 0):  # the CTA copies the item's rows once: L2 reads / WN x WK
+                    nvec = kdim // VEC
+                    for v in cutlass.range(tidx, 8 * NT * nvec, WN * WK * 32):
+                        tok = v // nvec
+                        sl = mSlots[ex, cutlass.min(t0 + tok, width - 1)]
+                        src = sl // k if cutlass.const_expr(self.w13) else sl
+                        cute.copy(x_atom, gX[(None, (src, v - tok * nvec))], tv)
+                        cute.copy(s_atom, tv, gXs[(None, (tok, v - tok * nvec))])
+                    cute.arch.sync_threads()
+                    xsrc = gXs
+                    xrows = [j * 8 + g for j in range(NT)]  # rows of the staged tile
                 for kb in cutlass.range(wkk * U, chunks, WK * U):
                     if cutlass.const_expr(self.fp4):
-                        self._batch_fp4(mW, mS, gX, w_atom, x_atom, mma, ex, wrows, xrows, kb, chunks, kdim, c,
+                        self._batch_fp4(mW, mS, xsrc, w_atom, x_atom, mma, ex, wrows, xrows, kb, chunks, kdim, c,
                                         acc)
                     else:
-                        self._batch_bf16(mW, gX, w_atom, x_atom, mma, ex, wrows, xrows, kb, chunks, c, acc)
+                        self._batch_bf16(mW, xsrc, w_atom, x_atom, mma, ex, wrows, xrows, kb, chunks, c, acc)
                 if cutlass.const_expr(WK > 1):  # K warps reduced in warp order: deterministic
                     if wkk > 0:
                         for q in cutlass.range_constexpr(nacc):
@@ -268,8 +298,8 @@ def _kernel_class():
                                         mOut[slot, row] = (s * sig * up).to(BFloat16)
                                     else:
                                         mOut[slot, row] = s * mWt[slot // k, slot % k]
-                if cutlass.const_expr(WK > 1):
-                    cute.arch.sync_threads()  # red is reused by the next item
+                if cutlass.const_expr(WK > 1 or self.stage > 0):
+                    cute.arch.sync_threads()  # red and the staged rows are reused by the next item
 
         @cute.jit
         def _batch_bf16(self, mW, gX, w_atom, x_atom, mma, ex, wrows, xrows, kb, chunks, c, acc):
