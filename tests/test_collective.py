@@ -59,3 +59,45 @@ def test_a_group_that_cannot_run_costs_failed_trials_not_the_sweep():
     res = measure([(p, [{"variant": "nccl"}, {"variant": "fused_one_shot"}])], 2, deadline_s=60)
     assert set(res) == {(p.key, '{"variant":"nccl"}'), (p.key, '{"variant":"fused_one_shot"}')}
     assert all(o.status == "runtime_failed" and "did not start" in o.error for o in res.values()), res
+
+
+def test_a_collective_sweep_that_cannot_run_records_failed_trials_and_no_winner(tmp_path):
+    """The driver's collective step on a machine without GPUs, with a real SQLite file and the real group
+    measurer (its ranks fail to start): every variant is recorded as a failed trial, no winner is written,
+    the claim is finished, and the sweep statistics say so."""
+    import torch
+
+    from k3tune.kernels import op_digest
+    from k3tune.plan.hardware import Fingerprint
+    from k3tune.search.driver import SweepOptions, SweepStats, _tune_collectives
+    from k3tune.store import records
+    from k3tune.store.db import Database
+    from k3tune.store.models import Backend, Claim, Trial, Winner
+
+    if torch.cuda.is_available():
+        pytest.skip("checks the failure path: needs a machine without GPUs")
+    sp = spec.load(X2)
+    p = problems.build(sp, model.load()).problems[0]
+    db = Database(tmp_path / "coll.sqlite")
+    fp = Fingerprint("test box", "9.0", 132, 141, "none", "none", False)
+    digests = {p.op: op_digest(p.op, "gpu")}
+    with db.session() as s:
+        hw = records.hardware_id(s, fp)
+        sw = records.software_id(s, records.software_versions())
+        pids = records.problem_ids(s, [p])
+        run = records.start_run(s, command="test", backend=Backend.measured, hw_id=hw, sw_id=sw,
+                                spec_digest=sp.digest())
+        run_id, owner = run.id, run.owner
+        records.plan_claims(s, hw, Backend.measured, {pids[p]: digests[p.op]})
+    with db.session() as s:
+        assert records.claim(s, hw, Backend.measured, owner, {pids[p]: digests[p.op]}, 1, 60) == [pids[p]]
+    stats = SweepStats()
+    opt = SweepOptions(sp, model.load(), db, "gpu", 2, trial_timeout_s=60)
+    _tune_collectives([p], pids, opt, hw, run_id, Backend.measured, digests, stats, lambda msg="": None)
+    with db.session() as s:
+        trials = s.query(Trial).all()
+        assert len(trials) == 4 and {t.status.value for t in trials} == {"runtime_failed"}
+        assert {t.params["variant"] for t in trials} == {"nccl", "symm_one_shot", "symm_two_shot", "fused_one_shot"}
+        assert s.query(Winner).count() == 0
+        assert s.query(Claim).one().state == "done"
+    assert stats.trials == 4 and stats.failed == 4 and stats.no_winner == [p.key] and stats.problems_done == 1
