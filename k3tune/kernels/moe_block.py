@@ -223,7 +223,11 @@ class MoeOverlap(_BlockOnGpu, KernelFamily):
         if problem["format"] != "bf16" and cfg.experts_kernel != "tensor_core":
             return False  # MXFP4 experts: only the tensor-core kernels dequantise in registers
         if cfg.experts_kernel == "tensor_core":  # items of up to 8, 16 or 32 tokens (1, 2 or 4 MMA N tiles)
-            return p <= max(1, problem["M"]) and p <= 32 and self._tc_cfgs(cfg)[0].tokens >= p
+            from k3tune.kernels.moe_experts_tc import SMEM_BUDGET, reduction_bytes
+
+            c13, c2 = self._tc_cfgs(cfg)
+            return (p <= max(1, problem["M"]) and p <= 32 and c13.tokens >= p  # and the K reduction fits
+                    and reduction_bytes(c13, True) <= SMEM_BUDGET and reduction_bytes(c2, False) <= SMEM_BUDGET)
         return (p <= max(1, problem["M"]) and 4 * (2 * cfg.w13_rows + p) * cfg.w13_unroll <= 160
                 and 2 * cfg.w13_rows * p <= 64 and 4 * (cfg.w2_rows + p) * cfg.w2_unroll <= 160
                 and cfg.w2_rows * p <= 64)
