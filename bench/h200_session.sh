@@ -5,6 +5,7 @@
 #   bash bench/h200_session.sh [tests] [sweep] [bench] [moetests] [moebench] [moesweep] [moeserved]
 # moeserved: the MoE sweep's winners merged into a copy of tuning_db/h200.sqlite, then bench/moe.py --served
 # moetc: the tensor-core expert kernels' GPU tests, then bench/moe_experts.py (MOE_EXPERTS_ARGS)
+# pack: last step: every output in one outputs.tgz (a call returns at most 8 files)
 set -uo pipefail
 source .carry/cutedsl/unpack.sh || exit 1
 mkdir -p .device
@@ -42,5 +43,8 @@ for step in "$@"; do
                merge('.device/served.sqlite', [Database(p) for p in [d, *sorted(glob.glob('.device/h200-moe*.sqlite'))]])"
            (cd bench && timeout ${BENCH_S:-300} python3 moe.py --db ../.device/served.sqlite --served \
              --out $OUT/bench-moe-served.json ${MOE_ARGS:-}) 2>&1 | tee $OUT/bench-moe-served.log | grep -v "^ \|^{\|^}" ;;
+    pack)  # only 8 files come back from a device call: everything written so far into one archive
+           rm -f $OUT/*-wal $OUT/*-shm
+           tar -C $OUT -czf /tmp/outputs.tgz . && find $OUT -mindepth 1 -delete && mv /tmp/outputs.tgz $OUT/ ;;
   esac
 done
