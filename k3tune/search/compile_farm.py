@@ -3,8 +3,8 @@
 CuTe DSL compilation runs on the CPU and took ~70% of a measured dense sweep: each GPU worker compiled the
 kernel it was about to time, one at a time, and two workers often compiled the same one. A farm of
 ``procs`` spawned CPU processes (no CUDA context) compiles the candidates a search has queued (its default,
-seeds, warm starts, or its whole space when that is small) as soon as the search opens, and every candidate
-when it is dispatched; the workers then load them from the cache (kernels/compile_cache.py, whose per-entry
+seeds, warm starts, or its whole space when that is small) as soon as the search opens; the workers then load
+them from the cache (a sampled candidate goes to a worker at once: the worker compiles it) (kernels/compile_cache.py, whose per-entry
 lock makes a worker wait for a compile in progress instead of repeating it).
 
 Only families whose ``build`` compiles eagerly from knobs and shapes alone are farmed (``FARMED``); a block

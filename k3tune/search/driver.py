@@ -8,7 +8,6 @@ several machines can share one sweep (PostgreSQL) without overlap; a dead owner'
 
 from __future__ import annotations
 
-import json
 import math
 import platform
 import time
@@ -217,7 +216,6 @@ def run_sweep(opt: SweepOptions) -> SweepStats:
                                 break
                             next_task += 1
                             task_of[next_task] = (pid, cand)
-                            farm.submit(by_id[pid], cand.family, cand.params)
                             pool.submit(idle.pop(), Task(next_task, by_id[pid], cand.family, cand.params, cand.round,
                                                          search.samples_for(cand)))
                         if search.finished:
@@ -274,37 +272,31 @@ def _tune_collectives(problems: list[plans.Problem], pids: dict, opt: SweepOptio
     from k3tune.search import measure_collective
 
     for group in sorted({p["group"] for p in problems}):
-        mine = [p for p in problems if p["group"] == group]
-        items = []
-        for p in mine:
-            fam = families_for(p, opt.backend)[0]
-            items.append((p, [c.params() for c in fam.configs(p)]))
-        report(f"measuring {len(mine)} collective problems on a group of {group} GPUs")
-        results = measure_collective.measure(items, group, samples=opt.spec.search.samples,
-                                             deadline_s=opt.trial_timeout_s)
-        for p, prms in items:
-            fam = families_for(p, opt.backend)[0]
+        items = [(p, families_for(p, opt.backend)[0]) for p in problems if p["group"] == group]
+        params = {p: {params_key(c.params()): c.params() for c in fam.configs(p)} for p, fam in items}
+        report(f"measuring {len(items)} collective problems on a group of {group} GPUs")
+        results = measure_collective.measure([(p, list(params[p].values())) for p, _ in items], group,
+                                             samples=opt.spec.search.samples, deadline_s=opt.trial_timeout_s)
+        for p, fam in items:
             pid = pids[p]
-            outs = {params_key(prm): results[(p.key, params_key(prm))] for prm in prms}
+            outs = {key: results[(p.key, key)] for key in params[p]}
+            default = params_key(fam.default_config(p).params())
+            win = measure_collective.fastest(outs, list(outs))
             with opt.db.session() as s:
                 records.record_trials(s, run_id, hw_id, label, [records.TrialRecord(
-                    problem_id=pid, family=fam.name, family_digest=fam.digest, params=prm, params_key=params_key(prm),
-                    round=0, status=TrialStatus(outs[params_key(prm)].status), median_us=outs[params_key(prm)].median_us,
-                    spread_us=outs[params_key(prm)].spread_us, samples=outs[params_key(prm)].samples,
-                    error=outs[params_key(prm)].error) for prm in prms])
-                default = params_key(fam.default_config(p).params())
-                win = measure_collective.fastest(outs, [params_key(prm) for prm in prms])
+                    problem_id=pid, family=fam.name, family_digest=fam.digest, params=params[p][key], params_key=key,
+                    round=0, status=TrialStatus(o.status), median_us=o.median_us, spread_us=o.spread_us,
+                    samples=o.samples, error=o.error) for key, o in outs.items()])
                 if win is not None:
-                    w = outs[win]
                     records.save_winner(s, hardware_id=hw_id, problem_id=pid, op_digest=digests[p.op], backend=label,
-                                        family=fam.name, family_digest=fam.digest, params=json.loads(win),
-                                        median_us=w.median_us, spread_us=w.spread_us,
+                                        family=fam.name, family_digest=fam.digest, params=params[p][win],
+                                        median_us=outs[win].median_us, spread_us=outs[win].spread_us,
                                         default_us=outs[default].median_us if outs[default].status == "ok" else None,
-                                        ties=0, trials=len(prms), run_id=run_id, origin="")
+                                        ties=0, trials=len(outs), run_id=run_id, origin="")
                 records.finish_claim(s, hw_id, label, pid, digests[p.op])
-            stats.trials += len(prms)
+            stats.trials += len(outs)
             stats.failed += sum(o.status != "ok" for o in outs.values())
             stats.problems_done += 1
             if win is None:
                 stats.no_winner.append(p.key)
-            report(f"{p.key}: {json.loads(win)['variant'] if win else 'no correct variant'}")
+            report(f"{p.key}: {params[p][win]['variant'] if win else 'no correct variant'}")

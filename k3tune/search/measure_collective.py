@@ -172,15 +172,6 @@ def _rank_main(rank: int, world: int, env: dict, todo: list, log: str, layers: i
         dist.destroy_process_group()
 
 
-def median_table(results: dict[tuple[str, str], Outcome]) -> dict[str, dict[str, float]]:
-    """{problem key: {params key: median us}} of the successful outcomes (for reports)."""
-    table: dict[str, dict[str, float]] = {}
-    for (pk, key), o in results.items():
-        if o.status == "ok":
-            table.setdefault(pk, {})[key] = o.median_us
-    return table
-
-
 def fastest(outcomes: dict[str, Outcome], order: list[str]) -> str | None:
     """The params key to record as winner: the fastest median; a statistical tie (within the faster one's
     spread) goes to the earlier entry of ``order`` (safest first)."""

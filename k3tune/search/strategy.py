@@ -73,15 +73,6 @@ class ProblemSearch:
 
     def __post_init__(self):
         self.refused: list[str] = []
-        self.sat_out: list[str] = []
-        usable = []
-        for f in self.families:  # a family that admits the problem but has no valid config for it sits out
-            try:
-                f.default_config(self.problem)
-                usable.append(f)
-            except CannotImplement as e:
-                self.sat_out.append(f"{self.problem.key} {f.name}: {e}")
-        self.families = usable
         self.fams = {f.name: f for f in self.families}
         self.results: dict[tuple[str, str, int], Result] = {}
         self.in_flight: set[tuple[str, str, int]] = set()
