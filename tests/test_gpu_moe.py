@@ -223,6 +223,7 @@ def test_prefetch_does_not_change_the_result():
 def test_measurer_times_the_block_families():
     """The sweep's GPU measurer runs both block families through the executor: correctness first against
     the fp32 reference, then timing (what `k3tune sweep --spec configs/sweep_h200_moe_bf16.toml` does)."""
+    from k3tune.kernels import family
     from k3tune.plan.problems import Problem
     from k3tune.search.measure_gpu import GpuBackend
     from k3tune.search.outcome import Task
@@ -231,8 +232,11 @@ def test_measurer_times_the_block_families():
                                            ("inter", 192), ("shared_inter", 384), ("hidden", 7168),
                                            ("format", "bf16"), ("routing", "uniform")))
     be = GpuBackend()
-    tuned = {"w13_rows": 4, "w13_warps": 4, "w13_unroll": 2, "w2_rows": 8, "w2_warps": 2, "w2_unroll": 1,
-             "w2_lanes": 16, "group": 2, "shared_sms": 16, "prefetch_mib": 8}
+    overlap = family("moe.overlap")  # every knob, the CUDA-core experts' tiles and the overlap knobs set here
+    tuned = {**overlap.default_config(p).params(), "experts_kernel": "cuda_core", "w13_rows": 4, "w13_warps": 4,
+             "w13_unroll": 2, "w2_rows": 8, "w2_warps": 2, "w2_unroll": 1, "w2_lanes": 16, "group": 2,
+             "shared_sms": 16, "prefetch_mib": 8}
+    assert overlap.valid(overlap.config_from_params(p, tuned), p)
     for fam, params in [("moe.stock", {}), ("moe.overlap", tuned)]:
         out = be.measure(Task(0, p, fam, params, 0, 5))
         assert out.status == "ok" and out.median_us > 0, (fam, out)

@@ -59,6 +59,9 @@ def default_config(tokens: int) -> tuple:
     return TcExpertConfig(1, 2, 2, 1, 2), TcExpertConfig(1, 4, 1, 1, 2), per
 
 
+SMEM_BUDGET = 48 * 1024  # shared memory a CTA may use without the opt-in for more
+
+
 def reduction_bytes(cfg: TcExpertConfig, w13: bool) -> int:
     """Shared memory of the K-warp reduction buffer (fp32 accumulators of warps_k - 1 warps per row warp)."""
     mtot = 2 * cfg.m_tiles if w13 else cfg.m_tiles
@@ -112,9 +115,8 @@ def _fake_args(kind: str, fmt: str, arch: str):
 
 @functools.cache
 def compiled(kind: str, knobs: tuple, fmt: str, arch: str):
-    """One compile per projection, knobs (m_tiles, warps_n, warps_k, n_tiles, unroll, beta, linear_beta[,
-    staged K]), format and arch; batch, widths and expert counts are dynamic (K up to the staged K when
-    staging). Never call inside a capture."""
+    """One compile per projection, knobs (m_tiles, warps_n, warps_k, n_tiles, unroll[, beta, linear_beta]),
+    format and arch; batch, widths and expert counts are dynamic. Never call inside a capture."""
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream
 
@@ -134,7 +136,7 @@ def run_w13(cfg: TcExpertConfig, latent, w13, act, weights, groups, beta: float,
     fmt = "bf16" if scales is None else "mxfp4"
     check(cfg, groups, latent.shape[1], fmt)
     fn = compiled("w13", (cfg.m_tiles, cfg.warps_n, cfg.warps_k, cfg.n_tiles, cfg.unroll, float(beta),
-                          float(linear_beta), stage_k(latent.shape[1], cfg, True, fmt)), fmt, current_arch())
+                          float(linear_beta)), fmt, current_arch())
     _launch(fn, latent, w13, scales, act, weights, groups, stream)
 
 
@@ -142,26 +144,9 @@ def run_w2(cfg: TcExpertConfig, act, w2, out, weights, groups, scales=None, stre
     """out[slot, :L] = weight[slot] * act[slot] . w2 rows (fp32), over ``groups``' work items."""
     fmt = "bf16" if scales is None else "mxfp4"
     check(cfg, groups, act.shape[1], fmt)
-    fn = compiled("w2", (cfg.m_tiles, cfg.warps_n, cfg.warps_k, cfg.n_tiles, cfg.unroll, 0.0, 0.0,
-                         stage_k(act.shape[1], cfg, False, fmt)), fmt, current_arch())
+    fn = compiled("w2", (cfg.m_tiles, cfg.warps_n, cfg.warps_k, cfg.n_tiles, cfg.unroll, 0.0, 0.0), fmt,
+                  current_arch())
     _launch(fn, act, w2, scales, out, weights, groups, stream)
-
-
-SMEM_BUDGET = 44 * 1024  # shared memory a CTA may use without the opt-in for more than 48 KB
-
-
-def stage_k(k: int, cfg: TcExpertConfig, w13: bool, fmt: str) -> int:
-    """K per slab of activations a CTA stages in shared memory (the whole K, rounded up to a chunk, when it
-    fits; else the largest multiple of warps_k x unroll chunks that fits beside the K-reduction buffer), or 0:
-    every warp loads its activations from L2."""
-    chunk = 32 if fmt == "bf16" else 128
-    chunks = -(-k // chunk)
-    red = reduction_bytes(cfg, w13)
-    room = max(0, SMEM_BUDGET - red) // (2 * cfg.tokens * chunk)  # chunks of one slab
-    if room >= chunks:
-        return chunks * chunk
-    step = cfg.warps_k * cfg.unroll
-    return room // step * step * chunk
 
 
 def _launch(fn, x, w, scales, out, weights, groups, stream):
@@ -196,10 +181,9 @@ def _kernel_class():
         return q << n if n >= 0 else q >> (-n)
 
     class TcExpertGemm:
-        def __init__(self, which, fmt, mt, wn, wk, nt, unroll, beta=0.0, linear_beta=0.0, stage=0):
+        def __init__(self, which, fmt, mt, wn, wk, nt, unroll, beta=0.0, linear_beta=0.0):
             self.w13, self.fp4 = which == "w13", fmt == "mxfp4"
             self.mt, self.wn, self.wk, self.nt, self.unroll = mt, wn, wk, nt, unroll
-            self.stage = stage  # > 0: the item's activations (K <= stage) staged in shared memory per CTA
             self.mtot = 2 * mt if self.w13 else mt  # MMA row tiles a warp computes (gate + up for w13)
             self.beta, self.lin = beta, linear_beta
             self.cta_rows = 16 * mt * wn
@@ -249,14 +233,6 @@ def _kernel_class():
             nacc = 4 * MTOT * NT
             smem = cutlass.utils.SmemAllocator()
             red = smem.allocate_tensor(Float32, cute.make_layout((nacc, 32, WN, max(WK - 1, 1))), 16)
-            if cutlass.const_expr(self.stage > 0):  # every warp reads the item's activations from here
-                VPC = 16 if cutlass.const_expr(self.fp4) else 4  # 16-byte activation vectors per K chunk
-                SC = self.stage // (VEC * VPC)  # K chunks per staged slab (a multiple of WK x U, or all of K)
-                sX = smem.allocate_tensor(BFloat16, cute.make_layout((8 * NT, self.stage), stride=(self.stage, 1)),
-                                          16)
-                gXs = cute.zipped_divide(sX, (1, VEC))
-                tv = cute.make_rmem_tensor(cute.make_layout(VEC), BFloat16)
-                s_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
 
             for it in cutlass.range(bidx, mCnt[n_experts], gdx):
                 code = mItems[it]
@@ -268,33 +244,12 @@ def _kernel_class():
                     xrows.append(sl // k if cutlass.const_expr(self.w13) else sl)
                 acc = cute.make_rmem_tensor(cute.make_layout((4, MTOT, NT)), Float32)
                 acc.fill(0.0)
-                if cutlass.const_expr(self.stage > 0):  # the CTA stages the item's rows slab by slab: L2
-                    nvec = kdim // VEC                     # reads of the activations cut by WN x WK
-                    lrows = [j * 8 + g for j in range(NT)]  # rows of the staged tile
-                    for s0 in cutlass.range(0, chunks, SC):
-                        nv_s = cutlass.min(SC, chunks - s0) * VPC
-                        for v in cutlass.range(tidx, 8 * NT * nv_s, WN * WK * 32):
-                            tok = v // nv_s
-                            sl = mSlots[ex, cutlass.min(t0 + tok, width - 1)]
-                            src = sl // k if cutlass.const_expr(self.w13) else sl
-                            cute.copy(x_atom, gX[(None, (src, cutlass.min(s0 * VPC + v - tok * nv_s, nvec - 1)))], tv)
-                            cute.copy(s_atom, tv, gXs[(None, (tok, v - tok * nv_s))])
-                        cute.arch.sync_threads()
-                        for kb in cutlass.range(s0 + wkk * U, cutlass.min(s0 + SC, chunks), WK * U):
-                            if cutlass.const_expr(self.fp4):
-                                self._batch_fp4(mW, mS, gXs, w_atom, x_atom, mma, ex, wrows, lrows, kb, chunks, kdim,
-                                                c, acc, s0 * VPC)
-                            else:
-                                self._batch_bf16(mW, gXs, w_atom, x_atom, mma, ex, wrows, lrows, kb, chunks, c, acc,
-                                                 s0 * VPC)
-                        cute.arch.sync_threads()  # the slab is overwritten next
-                else:
-                    for kb in cutlass.range(wkk * U, chunks, WK * U):
-                        if cutlass.const_expr(self.fp4):
-                            self._batch_fp4(mW, mS, gX, w_atom, x_atom, mma, ex, wrows, xrows, kb, chunks, kdim, c,
-                                            acc, 0)
-                        else:
-                            self._batch_bf16(mW, gX, w_atom, x_atom, mma, ex, wrows, xrows, kb, chunks, c, acc, 0)
+                for kb in cutlass.range(wkk * U, chunks, WK * U):
+                    if cutlass.const_expr(self.fp4):
+                        self._batch_fp4(mW, mS, gX, w_atom, x_atom, mma, ex, wrows, xrows, kb, chunks, kdim, c,
+                                        acc)
+                    else:
+                        self._batch_bf16(mW, gX, w_atom, x_atom, mma, ex, wrows, xrows, kb, chunks, c, acc)
                 if cutlass.const_expr(WK > 1):  # K warps reduced in warp order: deterministic
                     if wkk > 0:
                         for q in cutlass.range_constexpr(nacc):
@@ -326,7 +281,7 @@ def _kernel_class():
                     cute.arch.sync_threads()  # red is reused by the next item
 
         @cute.jit
-        def _batch_bf16(self, mW, gX, w_atom, x_atom, mma, ex, wrows, xrows, kb, chunks, c, acc, xoff):
+        def _batch_bf16(self, mW, gX, w_atom, x_atom, mma, ex, wrows, xrows, kb, chunks, c, acc):
             MTOT, NT, U = self.mtot, self.nt, self.unroll
             gW = cute.zipped_divide(mW[ex, None, None], (1, VEC))
             rw = cute.make_rmem_tensor(cute.make_layout((VEC, 2 * MTOT, U)), BFloat16)
@@ -341,7 +296,7 @@ def _kernel_class():
             for u in cutlass.range_constexpr(U):
                 kv = cutlass.min(kb + u, chunks - 1) * 4 + c
                 for j in cutlass.range_constexpr(NT):
-                    cute.copy(x_atom, gX[(None, (xrows[j], kv - xoff))], rx[None, j, u])
+                    cute.copy(x_atom, gX[(None, (xrows[j], kv))], rx[None, j, u])
             for u in cutlass.range_constexpr(U):
                 tmp.fill(0.0)
                 for s in cutlass.range_constexpr(2):  # two k16 steps: vector elements 4s .. 4s + 3
@@ -360,8 +315,7 @@ def _kernel_class():
                     acc[q] = acc[q] + tmp[q] * keep
 
         @cute.jit
-        def _batch_fp4(self, mW, mS, gX, w_atom, x_atom, mma, ex, wrows, xrows, kb, chunks, kdim, c, acc,
-                       xoff):
+        def _batch_fp4(self, mW, mS, gX, w_atom, x_atom, mma, ex, wrows, xrows, kb, chunks, kdim, c, acc):
             MTOT, NT, U = self.mtot, self.nt, self.unroll
             gW = cute.zipped_divide(mW[ex, None, None], (1, 16))  # 16 bytes = 32 codes = one scale block
             blocks = kdim // FP4_BLOCK
@@ -381,7 +335,7 @@ def _kernel_class():
                 blk_c = cutlass.min((kb + u) * 4 + c, blocks - 1)
                 for j in cutlass.range_constexpr(NT):
                     for v in cutlass.range_constexpr(4):
-                        cute.copy(x_atom, gX[(None, (xrows[j], blk_c * 4 + v - xoff))], rx[None, v, j, u])
+                        cute.copy(x_atom, gX[(None, (xrows[j], blk_c * 4 + v))], rx[None, v, j, u])
             fa32 = cute.recast_tensor(fa, Int32)  # (4, MTOT): a0a1, a2a3, a4a5, a6a7
             for u in cutlass.range_constexpr(U):
                 q32 = cute.recast_tensor(rq, Int32)  # (4, 2 MTOT, U): the 16 bytes as 4 words
