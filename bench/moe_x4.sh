@@ -2,7 +2,7 @@
 # Issue 4 in one call on a 4-GPU machine (nvidia-h200-x4, carry [".carry"]): both MoE block sweeps at once
 # (bf16 experts on GPUs 0-1, MXFP4 on GPUs 2-3, each `--gpus 2`), their winners merged with the shipped dense
 # winners, then the served block benchmarked, bf16 on GPU 0 and MXFP4 on GPU 1 (each bench times only its own
-# GPU), and every output packed into one archive.
+# GPU) while the MoE GPU tests run on GPUs 2 and 3, and every output packed into one archive.
 set -uo pipefail
 source .carry/cutedsl/unpack.sh || exit 1
 mkdir -p .device $OUT/mxfp4
@@ -25,7 +25,12 @@ CUDA_VISIBLE_DEVICES=0 timeout ${BENCH_S:-330} python3 moe.py --db ../.device/se
 CUDA_VISIBLE_DEVICES=1 timeout ${BENCH_S:-330} python3 moe.py --db ../.device/served.sqlite --served \
   --model kimi_k3_config.json --fmts mxfp4 --shared-sms 16 --prefetch-mib 0 \
   --out $OUT/mxfp4/bench-moe-served-mxfp4.json > $OUT/mxfp4/bench-moe-served-mxfp4.log 2>&1 &
+cd ..  # meanwhile the GPU tests of this code on the other two GPUs
+CUDA_VISIBLE_DEVICES=2 timeout ${BENCH_S:-330} python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu_moe_tc.py \
+  > $OUT/gpu-moe-tc-tests.log 2>&1 &
+CUDA_VISIBLE_DEVICES=3 timeout ${BENCH_S:-330} python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu_moe.py \
+  > $OUT/gpu-moe-tests.log 2>&1 &
 wait
-cd ..
+tail -1 $OUT/gpu-moe-tc-tests.log $OUT/gpu-moe-tests.log
 grep -v "^ \|^{\|^}" $OUT/bench-moe-served.log | cut -c1-60 | tail -3
 bash bench/h200_session.sh pack > /dev/null
