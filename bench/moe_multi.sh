@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Issue 4 on a 2- or 4-GPU machine (nvidia-h200-x2/x4, carry [".carry", ".device"]), steps in order:
+#   sweep   both MoE block sweeps at once: bf16 experts on the first half of the GPUs, MXFP4 on the second
+#           (into .device/h200-moe.sqlite and .device/h200-moe-mxfp4.sqlite, copied to $OUT)
+#   tests   the MoE GPU tests: tensor-core kernels on GPU 0, the block on GPU 1
+#   served  the sweeps' winners merged with the shipped dense winners, then the served block benchmarked,
+#           bf16 on GPU 0 and MXFP4 on GPU 1 (each bench times only its own GPU)
+#   pack    every output in one archive (a call returns at most 8 files)
+# Usage: SWEEP_S=190 BENCH_S=330 MOE_ARGS="..." bash bench/moe_multi.sh sweep tests pack
+set -uo pipefail
+source .carry/cutedsl/unpack.sh || exit 1
+mkdir -p .device $OUT/mxfp4
+N=$(nvidia-smi -L | wc -l); H=$((N / 2))
+nvidia-smi --query-gpu=index,name,clocks.sm,temperature.gpu --format=csv > $OUT/gpu.txt
+sweep() {  # GPUS SPEC DB
+  CUDA_VISIBLE_DEVICES=$1 timeout ${SWEEP_S:-200} python3 bench/device_sweep.py --spec $2 --db $3 --gpus $H \
+    > $OUT/$(basename $3 .sqlite)-sweep.log 2>&1; echo "$2 rc=$?"
+  python3 -c "import sqlite3,sys; sqlite3.connect(sys.argv[1]).execute('PRAGMA wal_checkpoint(TRUNCATE)')" $3
+  cp $3 $OUT/
+}
+for step in "$@"; do
+  case $step in
+    sweep) sweep $(seq -s, 0 $((H - 1))) configs/sweep_h200_moe_bf16.toml .device/h200-moe.sqlite &
+           sweep $(seq -s, $H $((N - 1))) configs/sweep_h200_moe_mxfp4.toml .device/h200-moe-mxfp4.sqlite &
+           wait; grep -HE '"(trials|seconds|failed|problems_done)"' $OUT/*-sweep.log ;;
+    tests) CUDA_VISIBLE_DEVICES=0 timeout ${TESTS_S:-200} python3 -m pytest -m gpu -q -p no:cacheprovider \
+             tests/test_gpu_moe_tc.py > $OUT/gpu-moe-tc-tests.log 2>&1 &
+           CUDA_VISIBLE_DEVICES=1 timeout ${TESTS_S:-200} python3 -m pytest -m gpu -q -p no:cacheprovider \
+             tests/test_gpu_moe.py > $OUT/gpu-moe-tests.log 2>&1 &
+           wait; tail -n1 $OUT/gpu-moe-tc-tests.log $OUT/gpu-moe-tests.log ;;
+    served) python3 -c "from k3tune.store.db import Database; from k3tune.store.transfer import merge; \
+             merge('.device/served.sqlite', [Database(p) for p in ['tuning_db/h200.sqlite', \
+             '.device/h200-moe.sqlite', '.device/h200-moe-mxfp4.sqlite']])"
+           (cd bench && CUDA_VISIBLE_DEVICES=0 timeout ${BENCH_S:-330} python3 moe.py --db ../.device/served.sqlite \
+             --served --out $OUT/bench-moe-served.json ${MOE_ARGS:-} > $OUT/bench-moe-served.log 2>&1) &
+           (cd bench && CUDA_VISIBLE_DEVICES=1 timeout ${BENCH_S:-330} python3 moe.py --db ../.device/served.sqlite \
+             --served --model kimi_k3_config.json --fmts mxfp4 --shared-sms 16 --prefetch-mib 0 \
+             --out $OUT/mxfp4/bench-moe-served-mxfp4.json > $OUT/mxfp4/bench-moe-served-mxfp4.log 2>&1) &
+           wait; grep -v "^ \|^{\|^}" $OUT/bench-moe-served.log | cut -c1-60 | tail -3 ;;
+    pack)  bash bench/h200_session.sh pack > /dev/null ;;
+  esac
+done
