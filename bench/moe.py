@@ -4,8 +4,10 @@
                         [--shared-sms 0,16,64] [--prefetch-mib 0,16]
 
 Tuned variants: every (shared-expert SMs, prefetch MiB) pair; shared SMs 0 runs the shared experts serially
-after the routed experts, a multiple of 8 gives them a green-context partition of that many SMs running
-beside the routed experts (64 of the H200's 132 is the even split); prefetch 0 is off.
+after the routed experts, a multiple of 8 gives them a green-context partition of that many SMs and the
+routed experts the rest (64 of the H200's 132 is the even split); prefetch 0 is off. With --served: the
+database's choice (whose ``routed_on`` may also leave the routed experts every SM), and the same knobs
+serial (served_serial) and on the even split (served_even).
 
 Each path runs in a CUDA graph over ``--layers`` layers with distinct weights (decode reads them from HBM),
 after a warm-up; medians and IQRs of the per-layer time over ``--samples`` replays. Routing is imposed
@@ -150,7 +152,8 @@ def main() -> None:
 
 
 def served_knobs(sel, tp: int, batch: int, shared_sms: int) -> dict:
-    """The served moe.overlap choice's executor knobs with the shared-expert SMs replaced."""
+    """The served moe.overlap choice's executor knobs with the SM split replaced: 0 = serial, else the shared
+    experts on ``shared_sms`` SMs and the routed experts on the rest (an even split at half the SMs)."""
     import dataclasses
 
     from k3tune.errors import ConfigError
@@ -159,7 +162,8 @@ def served_knobs(sel, tp: int, batch: int, shared_sms: int) -> dict:
     choice = sel.lookup("moe.block", tp, batch)
     if choice.family != "moe.overlap":
         raise ConfigError(f"the served block is {choice.family} ({choice.source}), not moe.overlap")
-    return family("moe.overlap").block_knobs(dataclasses.replace(choice.config(), shared_sms=shared_sms))
+    return family("moe.overlap").block_knobs(dataclasses.replace(choice.config(), shared_sms=shared_sms,
+                                                                  routed_on="rest" if shared_sms else "all"))
 
 
 def summarize(rows: list[dict], sms_list: list[int], pf_list: list[int], fmt: str) -> dict:

@@ -178,6 +178,7 @@ class MoeOverlapConfig(KernelConfig):
     w2_lanes: int = 8  # lanes sharing a w2 row (its K is 192-384: 24-48 vectors)
     group: int = 1  # tokens of one expert per work item (its weight tile read once for them)
     shared_sms: int = 0
+    routed_on: str = "all"  # with shared_sms > 0: "all" SMs (only the shared experts are confined) or the "rest"
     prefetch_mib: int = 0
     experts_kernel: str = "cuda_core"  # or "tensor_core" (moe_experts_tc: mma.sync; MXFP4 needs it)
     tc13_mt: int = 1  # tensor-core w13: row tiles per warp, warps over rows / over K, load batch
@@ -213,6 +214,8 @@ class MoeOverlap(_BlockOnGpu, KernelFamily):
             "w2_lanes": (4, 8, 16, 32),
             "group": (1, 2, 4, 8, 16, 32),  # tokens per work item (16, 32: the tensor-core kernels' hot experts)
             "shared_sms": (0, 8, 16, 24, 32, 40, 48, 64),  # 64 of an H200's 132 is the even split
+            # the routed experts on every SM beside the confined shared experts, or on the SMs they leave
+            "routed_on": ("all", "rest"),
             "prefetch_mib": (0, 4, 8, 16, 32),
         }
 
@@ -220,6 +223,8 @@ class MoeOverlap(_BlockOnGpu, KernelFamily):
         # registers of a lane's load batch (16-byte vectors = 4 registers: weight rows and the item's tokens)
         # and its accumulators (rows x tokens): keep clear of spills; an item never holds more than M tokens
         p = cfg.group
+        if cfg.shared_sms == 0 and cfg.routed_on != "all":
+            return False  # serial: nothing to split
         if problem["format"] != "bf16" and cfg.experts_kernel != "tensor_core":
             return False  # MXFP4 experts: only the tensor-core kernels dequantise in registers
         if cfg.experts_kernel == "tensor_core":  # items of up to 8, 16 or 32 tokens (1, 2 or 4 MMA N tiles)
@@ -256,6 +261,8 @@ class MoeOverlap(_BlockOnGpu, KernelFamily):
                    (ExpertKernelConfig(cfg.w13_rows, cfg.w13_warps, cfg.w13_unroll),
                     ExpertKernelConfig(cfg.w2_rows, cfg.w2_warps, cfg.w2_unroll, cfg.w2_lanes), cfg.group))
         shared, routed = _partition(cfg.shared_sms) if cfg.shared_sms else (None, None)
+        if cfg.routed_on == "all":
+            routed = None
         return {"experts_cfg": experts, "shared_stream": shared, "routed_stream": routed,
                 "prefetch_mib": cfg.prefetch_mib}
 
@@ -267,7 +274,7 @@ class MoeOverlap(_BlockOnGpu, KernelFamily):
         gather = 3.0 + m * (e + lat) * 2 / (hw.nvlink_gbps * 1e9) * 1e6
         routing = 2 * hw.graph_launch_us
         n_tiles = math.ceil(problem["inter"] / cfg.w13_rows)
-        routed_sms = sms - cfg.shared_sms
+        routed_sms = sms - cfg.shared_sms if cfg.routed_on == "rest" else sms
         experts = Work(hbm_bytes=expert_bytes(problem), flops=2.0 * m * problem["top_k"] * lat * problem["inter"] * 3,
                        ctas=int(m * problem["top_k"] * n_tiles), inflight_bytes_per_cta=cfg.w13_warps * 32 * 16 * 2 *
                        cfg.w13_rows * cfg.w13_unroll, tensor_cores=False, launches=4, sm_limit=routed_sms,
