@@ -14,6 +14,7 @@ for g in 1 $N; do
   timeout ${SWEEP_S:-120} python3 bench/device_sweep.py --spec $SPEC --db $OUT/gpus$g.sqlite --gpus $g --compile-procs ${COMPILE_PROCS:-0} \
     > $OUT/gpus$g.log 2>&1; echo "gpus=$g rc=$?"; grep -E '"(trials|seconds|failed|problems_done|workers_replaced)"' $OUT/gpus$g.log
 done
+if [ "${KILL:-1}" = 1 ]; then  # KILL=0: the throughput runs only
 export K3TUNE_KERNEL_CACHE=$(mktemp -d)
 timeout ${SWEEP_S:-120} python3 bench/device_sweep.py --spec $SPEC --db $OUT/killed.sqlite --gpus $N --compile-procs ${COMPILE_PROCS:-0} \
   > $OUT/killed.log 2>&1 &
@@ -22,5 +23,6 @@ sleep ${KILL_AFTER:-15}
 victim=$(pgrep -f spawn_main | head -1); echo "killing worker pid $victim"; kill -9 $victim
 wait $P; echo "killed run rc=$?"
 grep -E '"(trials|seconds|failed|problems_done|workers_replaced|workers_retired)"' $OUT/killed.log
+fi
 for f in $OUT/*.sqlite; do python3 -c "import sqlite3,sys; sqlite3.connect(sys.argv[1]).execute('PRAGMA wal_checkpoint(TRUNCATE)')" $f; done
 rm -f $OUT/*-wal $OUT/*-shm  # only 8 files come back from a device call

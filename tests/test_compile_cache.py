@@ -164,3 +164,27 @@ def test_the_compile_farm_fills_the_cache_that_workers_load_from(cache, monkeypa
                          timeout=300, env={**__import__("os").environ, "CUDA_VISIBLE_DEVICES": ""})
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split()[-1] == "0", "the worker-side build loaded the farm's kernels"
+
+
+def test_the_farm_is_given_every_problems_known_candidates_at_the_start(cache, monkeypatch):
+    """A sweep hands the farm each problem's queued candidates (defaults, seeds) before any is opened: the farmed
+    families' ones only, each once, and they land in the cache."""
+    from k3tune.kernels import families_for
+    from k3tune.plan.problems import Problem
+    from k3tune.plan.spec import SearchSettings
+    from k3tune.search.compile_farm import FARMED, CompileFarm
+    from k3tune.search.strategy import ProblemSearch
+
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    probs = [Problem("kda.o_proj", "gemm", (("M", m), ("N", 7168), ("K", 768))) for m in (1, 2)]
+    settings = SearchSettings(budget=6, patience=3)
+    queued = [c for p in probs for c in ProblemSearch(p, families_for(p, "gpu"), settings, seed=0).queue]
+    farmed = [c for c in queued if c.family in FARMED]
+    assert farmed and len(farmed) < len(queued), "the queue holds cuBLAS (not farmed) and CuTe candidates"
+    with CompileFarm(0, "sm_90a") as off:
+        assert off.submit_known(probs, "gpu", settings, lambda p: []) == 0
+    with CompileFarm(2, "sm_90a") as farm:
+        assert farm.submit_known(probs, "gpu", settings, lambda p: []) == len(farmed)
+        assert farm.submit_known(probs, "gpu", settings, lambda p: []) == 0, "each candidate once"
+        assert farm.wait() == (len(farmed), 0)
+    assert {f.name.split("-")[0] for f in cache.glob("*.o")} == {c.family.replace(".", "_") for c in farmed}

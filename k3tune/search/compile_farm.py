@@ -2,10 +2,12 @@
 
 CuTe DSL compilation runs on the CPU and took ~70% of a measured dense sweep: each GPU worker compiled the
 kernel it was about to time, one at a time, and two workers often compiled the same one. A farm of
-``procs`` spawned CPU processes (no CUDA context) compiles the candidates a search has queued (its default,
-seeds, warm starts, or its whole space when that is small) as soon as the search opens; the workers then load
-them from the cache (a sampled candidate goes to a worker at once: the worker compiles it) (kernels/compile_cache.py, whose per-entry
-lock makes a worker wait for a compile in progress instead of repeating it).
+``procs`` spawned CPU processes (no CUDA context) compiles the candidates each search will queue (its default,
+seeds, warm starts, or its whole space when that is small), for every problem of the sweep at its start and in
+claim order (``submit_known``), so that it compiles ahead of the workers rather than racing them for the problem
+they have just opened. The workers load them from the cache (kernels/compile_cache.py, whose per-entry lock makes
+a worker wait for a compile in progress instead of repeating it); a candidate the search samples later goes to a
+worker at once, which compiles it.
 
 Only families whose ``build`` compiles eagerly from knobs and shapes alone are farmed (``FARMED``); a block
 family compiles inside its executor, at measurement time, on the GPU worker. The farm is an optimisation:
@@ -67,6 +69,21 @@ class CompileFarm:
         self.seen.add(key)
         self.futures.append(self.pool.submit(_compile, problem, family, params))
         return True
+
+    def submit_known(self, problems: list[Problem], backend: str, settings, warm_for) -> int:
+        """Every problem's candidates known before anything is measured (defaults, seeds, warm starts
+        ``warm_for(problem)``, a small space whole), queued now in the given order, so that the farm compiles
+        ahead of the workers instead of racing them for the problem they have just opened. Returns how many."""
+        from k3tune.kernels import families_for
+        from k3tune.search.strategy import ProblemSearch
+
+        n = 0
+        for p in problems if self.pool is not None else ():
+            fams = families_for(p, backend)
+            if any(f.name in FARMED for f in fams):
+                for cand in ProblemSearch(p, fams, settings, seed=0, warm=warm_for(p)).queue:
+                    n += self.submit(p, cand.family, cand.params)
+        return n
 
     def wait(self) -> tuple[int, int]:
         """Block until everything queued is compiled: (done, failed). For tests and reports."""

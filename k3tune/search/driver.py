@@ -145,16 +145,16 @@ def run_sweep(opt: SweepOptions) -> SweepStats:
         if opt.progress:
             opt.progress(stats)
 
+    def near_winners(p: plans.Problem) -> list[tuple[plans.Problem, str, dict]]:
+        return sorted(neighbours.get(p.op, []), key=lambda n: _neighbour_distance(n[0], p))[:2]
+
     def open_search(pid: int) -> ProblemSearch:
         p = by_id[pid]
         fams = families_for(p, opt.backend)
         with opt.db.session() as s:
             stored = records.stored_trials(s, hw_id, pid, {f.name: fam_digests[f.name] for f in fams})
-        near = sorted(neighbours.get(p.op, []), key=lambda n: _neighbour_distance(n[0], p))[:2]
         search = ProblemSearch(p, fams, opt.spec.search, seed=opt.spec.search.seed + pid, stored=stored,
-                               warm=[(f, prm) for _, f, prm in near])
-        for cand in search.queue:  # known before anything is measured: compile them now, on spare cores
-            farm.submit(p, cand.family, cand.params)
+                               warm=[(f, prm) for _, f, prm in near_winners(p)])
         stats.reused += len(stored) - len(search.refused)
         stats.refused.extend(search.refused)
         return search
@@ -181,6 +181,8 @@ def run_sweep(opt: SweepOptions) -> SweepStats:
 
     farm = CompileFarm(opt.compile_procs if opt.backend == "gpu" else 0, current_arch())
     worker_env = {"K3TUNE_WORKER_KERNEL_CACHE": "1"} if farm.procs else {}  # workers load what the farm built
+    farm.submit_known([by_id[pid] for pid in wanted], opt.backend, opt.spec.search,  # in claim order
+                      lambda p: [(f, prm) for _, f, prm in near_winners(p)])
     try:
         coll = {pid: d for pid, d in wanted.items() if by_id[pid].kind == "allreduce"}
         if coll:  # collectives first, on a group of this sweep's GPUs (no one-GPU worker can run them)
