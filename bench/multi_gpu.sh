@@ -12,7 +12,7 @@ nvidia-smi --query-gpu=index,name,clocks.sm,temperature.gpu --format=csv | tee $
 for g in 1 $N; do
   export K3TUNE_KERNEL_CACHE=$(mktemp -d)
   timeout ${SWEEP_S:-120} python3 bench/device_sweep.py --spec $SPEC --db $OUT/gpus$g.sqlite --gpus $g --compile-procs ${COMPILE_PROCS:-0} \
-    > $OUT/gpus$g.log 2>&1; echo "gpus=$g rc=$?"; grep -E '"(trials|seconds|failed|problems_done|workers_replaced)"' $OUT/gpus$g.log
+    > $OUT/gpus$g.log 2>&1; echo "gpus=$g rc=$?"; grep -E '"(trials|seconds|failed|problems_done|workers_replaced|workers_ready_s|first_result_s)"' $OUT/gpus$g.log
 done
 if [ "${KILL:-1}" = 1 ]; then  # KILL=0: the throughput runs only
 export K3TUNE_KERNEL_CACHE=$(mktemp -d)

@@ -75,6 +75,27 @@ def test_tpe_search_respects_budget_and_is_seeded():
     assert runs[0] == runs[1]
 
 
+def test_tpe_samples_its_next_candidate_while_the_current_one_is_measured():
+    """Past the seeds, each TPE candidate handed out comes with the next one already sampled (``ahead``, for
+    the compile farm), and that is exactly the candidate handed out after the current result arrives."""
+    p = Problem("kda.qkvg_proj", "gemm", (("M", 8), ("N", 6144), ("K", 7168)))
+    backend = SimulatedBackend(GB300, seed=0)
+    s = ProblemSearch(p, families_for(p, "simulated"), spec.SearchSettings(budget=12, patience=99), seed=3)
+    seeds, ahead_seen, n, ahead = len(s.queue), 0, 0, None
+    while not s.finished:
+        cand = s.next()
+        if cand is None:
+            break
+        if ahead is not None and cand.round == 0 and n >= seeds:
+            assert (cand.family, cand.key) == (ahead.family, ahead.key), "the sampled-ahead candidate runs next"
+            ahead_seen += 1
+        ahead = s.ahead
+        assert ahead is None or (ahead.family, ahead.key) != (cand.family, cand.key)
+        s.tell(cand, "ok", backend.measure(Task(0, p, cand.family, cand.params, cand.round, 9)).median_us, 0.01)
+        n += 1
+    assert ahead_seen >= 12 - seeds - 2, "TPE steps past the seeds were sampled one ahead"
+
+
 def test_statistical_ties_break_deterministically_to_the_safer_family():
     p = Problem("kda.o_proj", "gemm", (("M", 4), ("N", 7168), ("K", 1536)))
     fams = families_for(p, "simulated")
@@ -141,6 +162,8 @@ def test_cpu_sweep_records_failures_and_still_picks_a_correct_winner(monkeypatch
     db = store_db.open_db(db_path)
     stats = run_sweep(_opts(db, sp, backend="cpu", trial_timeout_s=30))
     assert stats.problems_done == 1 and not stats.no_winner
+    assert 0 < stats.first_result_s <= stats.seconds, "start-up is reported by phase"
+    assert stats.workers_ready_s is None or 0 < stats.workers_ready_s <= stats.seconds
     with db.session() as s:
         status = dict(s.execute(select(Trial.params_key, Trial.status).where(Trial.round == 0)).all())
         w = s.scalar(select(Winner))

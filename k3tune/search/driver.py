@@ -66,6 +66,8 @@ class SweepStats:
     best_speedup: float | None = None  # best winner-vs-default ratio so far
     last: str = ""
     seconds: float = 0.0
+    workers_ready_s: float | None = None  # from the sweep's start until every worker first reported ready
+    first_result_s: float | None = None  # until the first measured trial came back
     run_id: int = 0
 
 
@@ -220,11 +222,17 @@ def run_sweep(opt: SweepOptions) -> SweepStats:
                             task_of[next_task] = (pid, cand)
                             pool.submit(idle.pop(), Task(next_task, by_id[pid], cand.family, cand.params, cand.round,
                                                          search.samples_for(cand)))
+                            if search.ahead is not None:  # compiled on spare cores while this one is measured
+                                farm.submit(by_id[pid], search.ahead.family, search.ahead.params)
                         if search.finished:
                             finish(pid, active.pop(pid))
                         if not idle:
                             break
                 results = pool.poll(timeout=0.5)
+                if stats.workers_ready_s is None and pool.all_ready():
+                    stats.workers_ready_s = time.monotonic() - t_start
+                if results and stats.first_result_s is None:
+                    stats.first_result_s = time.monotonic() - t_start
                 stats.workers_replaced = pool.replaced
                 stats.workers_retired = list(pool.retired)
                 batch: list[records.TrialRecord] = []

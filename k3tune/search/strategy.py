@@ -6,6 +6,10 @@ Every family's heuristic default is tried first (so the safe baseline is always 
 that won on neighbouring problems in earlier runs (warm start; never from this run, so the worker count
 cannot change a result). Results already in the database are fed back in, never
 measured twice. Early stopping: no 1% gain over ``patience`` measured trials.
+
+TPE measures one candidate at a time and samples the next one step ahead (``ahead``: it misses only the
+result in flight), so that a compile farm can build its kernel while the current one is measured; when the
+samples are drawn depends only on the order of results, never on the number of workers.
 """
 
 from __future__ import annotations
@@ -95,6 +99,7 @@ class ProblemSearch:
         self.phase = "search"
         self.decision: Decision | None = None
         self._pending: dict[tuple[str, str], optuna.trial.Trial] = {}
+        self.ahead: Candidate | None = None  # the next TPE candidate, sampled while the current one is measured
         self.study = optuna.create_study(direction="minimize", sampler=optuna.samplers.TPESampler(
             seed=self.seed, n_startup_trials=max(4, min(10, self.settings.budget // 3))))
         self.dists = {"family": CategoricalDistribution([f.name for f in self.families])}
@@ -184,13 +189,15 @@ class ProblemSearch:
             if not search_over:
                 if self.in_flight:
                     return None  # TPE learns from each result: one candidate at a time
-                cand = self._ask_tpe()
+                cand, self.ahead = self.ahead or self._ask_tpe(), None
                 if cand is not None:
                     self._dispatch((cand.family, cand.key, 0))
+                    if self.measured + 1 < self.settings.budget:  # sampled one step ahead (it misses only the
+                        self.ahead = self._ask_tpe()  # result now in flight), so its kernel can compile meanwhile
                     return cand
             if self.in_flight:
                 return None
-            self.phase = "remeasure"
+            self.phase, self.ahead = "remeasure", None
             # the top few, and always the safe baseline: the winner is chosen against it on remeasured numbers
             finalists = self._ranked()
             safe = self.results.get((self.families[0].name,

@@ -149,6 +149,10 @@ class WorkerPool:
     def idle(self) -> list[int]:
         return [s.index for s in self.slots if s.ready and s.task is None]
 
+    def all_ready(self) -> bool:
+        """Every slot that has not been retired has a worker that reported ready (and may be busy)."""
+        return all(s.ready for s in self.slots if not s.retired)
+
     def busy(self) -> int:
         return sum(1 for s in self.slots if s.task is not None)
 
