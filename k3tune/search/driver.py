@@ -183,8 +183,6 @@ def run_sweep(opt: SweepOptions) -> SweepStats:
 
     farm = CompileFarm(opt.compile_procs if opt.backend == "gpu" else 0, current_arch())
     worker_env = {"K3TUNE_WORKER_KERNEL_CACHE": "1"} if farm.procs else {}  # workers load what the farm built
-    farm.submit_known([by_id[pid] for pid in wanted], opt.backend, opt.spec.search,  # in claim order
-                      lambda p: [(f, prm) for _, f, prm in near_winners(p)])
     try:
         coll = {pid: d for pid, d in wanted.items() if by_id[pid].kind == "allreduce"}
         if coll:  # collectives first, on a group of this sweep's GPUs (no one-GPU worker can run them)
@@ -195,6 +193,9 @@ def run_sweep(opt: SweepOptions) -> SweepStats:
             wanted = {pid: d for pid, d in wanted.items() if pid not in coll}
         with WorkerPool(opt.workers if wanted else 0, backend_spec, opt.trial_timeout_s,
                         pin_gpus=opt.backend == "gpu", env=worker_env) as pool:
+            # while the workers start: every problem's known candidates to the farm, in claim order
+            farm.submit_known([by_id[pid] for pid in wanted], opt.backend, opt.spec.search,
+                              lambda p: [(f, prm) for _, f, prm in near_winners(p)])
             while True:
                 if len(active) < target_active:
                     with opt.db.session() as s:
