@@ -3,11 +3,17 @@ CUDA-core grouped GEMVs (k3tune/kernels/moe_experts.py) and the tensor-core grou
 (k3tune/kernels/moe_experts_tc.py) with bf16 experts, and the tensor-core kernels with MXFP4 experts.
 
     python bench/moe_experts.py [--tps 16,8] [--batches 8,16,32,64] [--routings uniform,zipf:1.2]
+                                [--variants cc_p1,tc_a_mxfp4] [--profile]
 
 Each variant runs route (imposed routing) + w13/SiTU + w2 + slot sum/RMSNorm in a CUDA graph over ``--layers``
 layers of distinct expert weights (read from HBM), after a warm-up; median and IQR per layer. The roofline
 floor is the bytes of the distinct experts selected (codes + scales for MXFP4) over the measured copy
 bandwidth. Runs from bench/ (like bench/moe.py). Prints a table; JSON to --out.
+
+--profile: no timing; each variant's step runs once to warm up, then once eagerly inside an NVTX range
+``profile/<variant>`` for Nsight Compute, e.g. (from bench/, one configuration):
+    ncu --nvtx --nvtx-include "profile/" --section SpeedOfLight --section WarpStateStats --section InstructionStats \
+        python3 moe_experts.py --tps 16 --batches 64 --routings uniform --layers 1 --variants tc_a_mxfp4 --profile
 """
 
 from __future__ import annotations
@@ -49,6 +55,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--samples", type=int, default=10)
     ap.add_argument("--out", default="bench-moe-experts.json")
+    ap.add_argument("--variants", default="", help="only these variants (comma-separated names)")
+    ap.add_argument("--profile", action="store_true", help="run each step eagerly in an NVTX range, no timing")
     args = ap.parse_args()
     sh = BlockShape.from_config(configs_dir() / "kimi_k3_config.json")
     bw = copy_bandwidth()
@@ -76,7 +84,18 @@ def main() -> None:
                           / bw * 1e6}
                 variants = [(n, "bf16", v) for n, v in CUDA_CORE.items()]
                 variants += [(f"{n}_{f}", f, v) for n, v in TENSOR_CORE.items() for f in ("bf16", "mxfp4")]
+                if args.variants:
+                    variants = [x for x in variants if x[0] in args.variants.split(",")]
                 for name, fmt, v in variants:
+                    if args.profile:
+                        step = _step(layers, fmt, v, y, x, top, norm, sh, batch)
+                        step(None)
+                        torch.cuda.synchronize()
+                        torch.cuda.nvtx.range_push(f"profile/{name}")
+                        step(None)
+                        torch.cuda.nvtx.range_pop()
+                        torch.cuda.synchronize()
+                        continue
                     try:
                         t = time_graph(_step(layers, fmt, v, y, x, top, norm, sh, batch), [{}], args.samples)
                     except Exception as e:  # a variant that cannot run is reported, not fatal

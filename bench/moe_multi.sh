@@ -12,7 +12,8 @@ source .carry/cutedsl/unpack.sh || exit 1
 mkdir -p .device $OUT/mxfp4
 N=$(nvidia-smi -L | wc -l); H=$((N / 2))
 nvidia-smi --query-gpu=index,name,clocks.sm,temperature.gpu --format=csv > $OUT/gpu.txt
-sweep() {  # GPUS SPEC DB
+sweep() {  # GPUS SPEC DB; a new DB starts as a copy of the shipped one: its winners (stale ones too) warm-start
+  [ -f $3 ] || cp tuning_db/h200.sqlite $3  # the search, and problems whose winner is current are not redone
   CUDA_VISIBLE_DEVICES=$1 timeout ${SWEEP_S:-200} python3 bench/device_sweep.py --spec $2 --db $3 --gpus $H \
     > $OUT/$(basename $3 .sqlite)-sweep.log 2>&1; echo "$2 rc=$?"
   python3 -c "import sqlite3,sys; sqlite3.connect(sys.argv[1]).execute('PRAGMA wal_checkpoint(TRUNCATE)')" $3

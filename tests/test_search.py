@@ -96,6 +96,21 @@ def test_tpe_samples_its_next_candidate_while_the_current_one_is_measured():
     assert ahead_seen >= 12 - seeds - 2, "TPE steps past the seeds were sampled one ahead"
 
 
+def test_a_winner_of_an_older_kernel_version_warm_starts_the_search():
+    """An earlier run's winner (here without a knob added since, and with a value no longer declared) is
+    measured among the first candidates, adapted: the missing or undeclared knobs take the default's values."""
+    p = Problem("moe.block", "moe_block", (("tp", 16), ("M", 8), ("experts", 896), ("top_k", 16), ("latent", 3584),
+                                           ("inter", 192), ("shared_inter", 384), ("hidden", 7168),
+                                           ("format", "bf16"), ("routing", "uniform")))
+    fam = family("moe.overlap")
+    old = {k: v for k, v in fam.default_config(p).params().items() if k != "routed_on"}
+    old.update(w13_rows=8, w2_warps=1, shared_sms=24, prefetch_mib=3)  # 3 MiB: not in today's space
+    s = ProblemSearch(p, families_for(p, "simulated"), SETTINGS, seed=0, warm=[("moe.overlap", old)])
+    seeded = [c.params for c in s.queue if c.family == "moe.overlap"]
+    want = {**old, "routed_on": fam.default_config(p).routed_on, "prefetch_mib": fam.default_config(p).prefetch_mib}
+    assert want in seeded
+
+
 def test_statistical_ties_break_deterministically_to_the_safer_family():
     p = Problem("kda.o_proj", "gemm", (("M", 4), ("N", 7168), ("K", 1536)))
     fams = families_for(p, "simulated")

@@ -113,6 +113,12 @@ class KernelFamily:
     def space_size(self, problem: Problem) -> int:
         return math.prod(len(v) for v in self.space(problem).values()) if self.space(problem) else 1
 
+    def canonical(self, params: dict[str, Any]) -> dict[str, Any]:
+        """The same kernel's params with the knobs it ignores set to fixed values, so that a search never
+        measures one kernel twice under two names (e.g. a tensor-core knob when the CUDA-core kernel runs).
+        Default: every knob matters."""
+        return params
+
     def config_from_params(self, problem: Problem, params: dict[str, Any]) -> KernelConfig:
         """Rebuild a config from stored params, refusing anything outside the declared space."""
         if not self.can_implement(problem):

@@ -117,8 +117,13 @@ class ProblemSearch:
         seeds += [(f, c) for f in self.families for c in f.seeds(self.problem)]
         for fam_name, params in self.warm:
             if fam_name in self.fams:
+                f = self.fams[fam_name]
+                space, base = f.cached_space(self.problem), f.default_config(self.problem).params()
+                # a winner of an older kernel version may lack knobs added since (they take the default's
+                # value) or hold a value no longer declared (likewise): it is a suggestion, re-measured
+                adapted = {k: params[k] if params.get(k) in space[k] else base[k] for k in space}
                 try:
-                    seeds.append((self.fams[fam_name], self.fams[fam_name].config_from_params(self.problem, params)))
+                    seeds.append((f, f.config_from_params(self.problem, adapted)))
                 except CannotImplement:
                     pass  # a neighbour's winner may not fit this problem
         order = seeds + (self.all_configs if self.exhaustive else [])
@@ -158,7 +163,8 @@ class ProblemSearch:
             self.asks += 1
             trial = self.study.ask()
             fam = self.fams[trial.suggest_categorical("family", list(self.dists["family"].choices))]
-            params = {k: trial.suggest_categorical(f"{fam.name}:{k}", list(v)) for k, v in self.space[fam.name].items()}
+            params = fam.canonical({k: trial.suggest_categorical(f"{fam.name}:{k}", list(v))
+                                    for k, v in self.space[fam.name].items()})
             cfg = fam.config_cls(**params)
             key = params_key(params)
             if not fam.valid(cfg, self.problem):
