@@ -27,7 +27,7 @@ def estimate(plan: plans.Plan, backend: str) -> dict:
             continue
         tunable += 1
         declared = sum(f.space_size(p) for f in fams)  # a block's joint space is counted, never listed
-        size = declared if declared > ENUMERATE_LIMIT else sum(sum(1 for _ in f.configs(p)) for f in fams)
+        size = declared if declared > ENUMERATE_LIMIT else sum(f.config_count(p) for f in fams)
         trials += min(size, s.budget) + min(size, s.remeasure_top)
     return {"problems": tunable, "trials": trials, "seconds_one_worker": round(trials * SECONDS_PER_TRIAL[backend], 1)}
 

@@ -110,6 +110,14 @@ class KernelFamily:
             if self.valid(cfg, problem):
                 yield cfg
 
+    def config_count(self, problem: Problem) -> int:
+        """How many valid configs the problem has (enumerated once per problem and family, then remembered:
+        a sweep asks again when the search opens, after the compile farm asked at the start)."""
+        cache = self.__dict__.setdefault("_count_cache", {})
+        if problem not in cache:
+            cache[problem] = sum(1 for _ in self.configs(problem))
+        return cache[problem]
+
     def space_size(self, problem: Problem) -> int:
         return math.prod(len(v) for v in self.space(problem).values()) if self.space(problem) else 1
 

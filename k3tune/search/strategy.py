@@ -86,12 +86,11 @@ class ProblemSearch:
         # enumerate (and filter by validity) only spaces small enough to be searched exhaustively; a larger
         # declared space is counted, never listed (a block's joint space runs to billions of points)
         declared = sum(math.prod(len(v) for v in sp.values()) for sp in self.space.values())
-        if declared <= ENUMERATE_LIMIT:
-            self.all_configs = [(f, c) for f in self.families for c in f.configs(self.problem)]
-            self.n_configs = len(self.all_configs)
-        else:
-            self.all_configs, self.n_configs = [], declared
+        self.n_configs = (sum(f.config_count(self.problem) for f in self.families) if declared <= ENUMERATE_LIMIT
+                          else declared)
         self.exhaustive = self.n_configs <= self.settings.budget
+        # listed only when the search will measure them all
+        self.all_configs = [(f, c) for f in self.families for c in f.configs(self.problem)] if self.exhaustive else []
         self.queue: list[Candidate] = []
         self.asks = 0
         self.best = math.inf
@@ -126,7 +125,7 @@ class ProblemSearch:
                     seeds.append((f, f.config_from_params(self.problem, adapted)))
                 except CannotImplement:
                     pass  # a neighbour's winner may not fit this problem
-        order = seeds + (self.all_configs if self.exhaustive else [])
+        order = seeds + self.all_configs
         seen = set()
         for f, c in order:
             cand = Candidate(f.name, c.params(), params_key(c.params()), 0)
