@@ -10,9 +10,9 @@ layers of distinct expert weights (read from HBM), after a warm-up; median and I
 floor is the bytes of the distinct experts selected (codes + scales for MXFP4) over the measured copy
 bandwidth. Runs from bench/ (like bench/moe.py). Prints a table; JSON to --out.
 
---profile: no timing; each variant's step runs once to warm up, then once eagerly inside an NVTX range
-``profile/<variant>`` for Nsight Compute, e.g. (from bench/, one configuration):
-    ncu --nvtx --nvtx-include "profile/" --section SpeedOfLight --section WarpStateStats --section InstructionStats \
+--profile: no timing; each variant's step runs once to warm up, then once eagerly inside NVTX ranges
+``profile`` > ``<variant>`` for Nsight Compute, e.g. (from bench/, one configuration):
+    ncu --clock-control none --nvtx --nvtx-include "profile/" --print-nvtx-rename kernel --section SpeedOfLight --section WarpStateStats --section InstructionStats \
         python3 moe_experts.py --tps 16 --batches 64 --routings uniform --layers 1 --variants tc_a_mxfp4 --profile
 """
 
@@ -91,8 +91,10 @@ def main() -> None:
                         step = _step(layers, fmt, v, y, x, top, norm, sh, batch)
                         step(None)
                         torch.cuda.synchronize()
-                        torch.cuda.nvtx.range_push(f"profile/{name}")
+                        torch.cuda.nvtx.range_push("profile")
+                        torch.cuda.nvtx.range_push(name)
                         step(None)
+                        torch.cuda.nvtx.range_pop()
                         torch.cuda.nvtx.range_pop()
                         torch.cuda.synchronize()
                         continue

@@ -35,6 +35,9 @@ def main() -> None:
     ap.add_argument("--ms", default="1,8,16,64")
     ap.add_argument("--grid", default="{}", help="JSON: knob -> list of values")
     ap.add_argument("--samples", type=int, default=9)
+    ap.add_argument("--profile", action="store_true",
+                    help="no timing: each config (and cuBLAS) runs once eagerly in NVTX ranges profile > <name> for ncu "
+                         "(ncu --clock-control none --nvtx --nvtx-include profile/ --print-nvtx-rename kernel ...)")
     args = ap.parse_args()
     sp, model = specs.load(), models.load()
     fam, cublas = family(args.family), family("gemm.cublas")
@@ -45,6 +48,16 @@ def main() -> None:
                                        [int(x) for x in args.ms.split(",")]):
         p = plans.Problem(op, "gemm", plans.OPS[op].dims(model, plans.Deployment(tp, m, 1, 0, 8192), sp))
         floor = (p["N"] * p["K"] + m * p["K"] + m * p["N"]) * 2 / bw * 1e6
+        if args.profile:
+            profile(cublas, p, cublas.default_config(p), f"tp{tp}/{op}/M{m}/cublas")
+            for values in itertools.product(*grid.values()):
+                params = {**fam.default_config(p).params(), **dict(zip(grid, values))}
+                try:
+                    cfg = fam.config_from_params(p, params)
+                except CannotImplement:
+                    continue
+                profile(fam, p, cfg, f"tp{tp}/{op}/M{m}/{fam.name}/{json.dumps(dict(zip(grid, values)))}")
+            continue
         base = measure(cublas.build(p, cublas.default_config(p)), cublas, p, args.samples)
         best = None
         for values in itertools.product(*grid.values()):
@@ -64,6 +77,22 @@ def main() -> None:
             print(f"BEST tp{tp} {op:18} M={m:<3} N={p['N']:<5} K={p['K']:<5} {best[0]['us']:7.2f} cublas {base['us']:7.2f} "
                   f"speedup {base['us'] / best[0]['us']:.2f}x roof {floor / best[0]['us']:.2f} {json.dumps(best[1])}",
                   flush=True)
+
+
+def profile(fam, problem, cfg, name: str) -> None:
+    """One eager launch in an NVTX range (after a warm-up launch that compiles and checks it)."""
+    gen = torch.Generator(device="cuda").manual_seed(1234)
+    inputs = fam.make_inputs(problem, torch.device("cuda"), gen)
+    run = fam.build(problem, cfg)
+    run(inputs)
+    torch.cuda.synchronize()
+    torch.cuda.nvtx.range_push("profile")
+    torch.cuda.nvtx.range_push(name)
+    run(inputs)
+    torch.cuda.nvtx.range_pop()
+    torch.cuda.nvtx.range_pop()
+    torch.cuda.synchronize()
+    print(f"profiled {name}", flush=True)
 
 
 if __name__ == "__main__":
