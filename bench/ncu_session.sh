@@ -9,8 +9,8 @@ NCU="ncu --clock-control none --nvtx --nvtx-include profile/ --print-nvtx-rename
      --section SchedulerStats --section InstructionStats"
 for step in "$@"; do
   case $step in
-    gemm) (cd bench && timeout ${NCU_S:-240} $NCU python3 probe_gemm.py --profile ${PROBE_ARGS:-}) > $OUT/ncu-gemm.txt 2>&1
-          grep -E "profiled|^  [a-z]|Duration|DRAM Throughput|Memory Throughput|Registers Per|Achieved Occupancy|Theoretical Occ|Block Limit|Grid Size|Block Size|Stall|One or More|No Eligible|Issued Warp" $OUT/ncu-gemm.txt | head -300 ;;
+    gemm) (cd bench && timeout ${NCU_S:-240} $NCU python3 probe_gemm.py --profile ${PROBE_ARGS:-}) > $OUT/ncu-gemm${TAG:-}.txt 2>&1
+          grep -E "profiled|^  [a-z]|Duration|DRAM Throughput|Memory Throughput|Registers Per|Achieved Occupancy|Theoretical Occ|Block Limit|Grid Size|Block Size|Stall|One or More|No Eligible|Issued Warp" $OUT/ncu-gemm${TAG:-}.txt | head -300 ;;
     experts) (cd bench && timeout ${NCU_S:-240} $NCU python3 moe_experts.py --profile ${EXPERTS_ARGS:-}) > $OUT/ncu-experts.txt 2>&1
           grep -E "^  [a-z]|Duration|DRAM Throughput|Memory Throughput|Registers Per|Achieved Occupancy|Theoretical Occ|Grid Size|Block Size|One or More|No Eligible|Issued Warp" $OUT/ncu-experts.txt | head -200 ;;
   esac
