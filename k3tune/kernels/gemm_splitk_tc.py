@@ -3,21 +3,28 @@
 y[M,N] = x[M,K] @ W[N,K]^T, bf16 in and out, fp32 accumulation, warp-level ``mma.sync.m16n8k16`` (runs on
 Hopper and Blackwell alike; decode is bound by reading W, not by the tensor cores).
 
-Layout trick: within each 32-wide chunk of K, lane ``t`` loads 16 contiguous bytes of W (8 bf16 at
-``k0 + (t % 4) * 8``) for rows ``g`` and ``g + 8`` (``g = t // 4``), and 16 contiguous bytes of x for token ``g``.
-The MMA's logical K order is a permutation of the chunk's physical K, the same permutation for both
-operands, so the products are unchanged while every global load is a 16-byte vector (``ld.global.nc.v4``
-for the weights) and no shared-memory staging is needed.
+Pipeline: the CTA's tiles of W (``16 m_tiles warps_n`` rows x ``bk``) and of x (``tile_m`` tokens x ``bk``) stream
+through a ring of ``stages`` shared-memory buffers with ``cp.async`` (16-byte copies that bypass L1, issued by
+every thread, consecutive threads on consecutive bytes of a row): ``stages - 1`` tiles are in flight while one is
+computed, so the bytes a CTA keeps in flight do not depend on registers, and x is read from HBM/L2 once per CTA.
+(A register-direct version, where each warp loaded its own operands, reached 0.63 of DRAM bandwidth at 18%
+achieved occupancy on the H200: NOTES.md, session 6.)
 
-Work split: a CTA has ``warps_n x warps_k`` warps. ``warps_n`` warps own different row tiles (they share the
-tokens' x through L1); ``warps_k`` warps stride over the CTA's K slice and are reduced through shared memory.
-``split_k`` CTAs share a row tile: each writes fp32 partials to a workspace, and the last one to arrive (a
-per-tile counter) sums the slices in slice order and writes bf16 — one launch, deterministic, and the counter
-is reset by that CTA so the launch can be replayed in a CUDA graph.
+Operand layout: within each 32-wide chunk of K, lane ``t`` reads 16 contiguous bytes (8 bf16 at ``(t % 4) * 8``)
+of rows ``g`` and ``g + 8`` (``g = t // 4``) of the W tile and of token ``g`` of the x tile. The MMA's logical K
+order is a permutation of the chunk's physical K, the same for both operands, so the products are unchanged
+and every shared-memory read is one 16-byte vector (no ldmatrix). Rows of 128 or 256 bytes would put rows
+``g`` and ``g + 1`` of a quarter-warp on the same banks: the 16-byte vector ``j`` of row ``r`` is stored at
+``j ^ 4 (r & 1)`` (conflict-free reads; rows of 64 bytes need no swizzle).
 
-M (tokens) is dynamic: one compile per (m_tiles, warps_n, warps_k, tile_m, split_k, unroll, arch) serves
-every M and every projection shape; tokens beyond M and rows beyond N are clamped on load and masked on
-store. Constraints: K a multiple of 32 x split_k, 16-byte aligned rows.
+Work split: ``warps_n`` warps own different row tiles; ``warps_k`` warps take different 32-wide chunks of each
+stage and are reduced through shared memory in warp order. ``split_k`` CTAs share a row tile: each writes fp32
+partials to a workspace, and the last one to arrive (a per-tile counter) sums the slices in slice order and
+writes bf16 — one launch, deterministic, and that CTA resets the counter so the launch replays in a CUDA graph.
+
+M (tokens) is dynamic: one compile per knob set and arch serves every M and every projection shape; tokens
+beyond M and rows beyond N are clamped on load and masked on store. Constraints: K a multiple of bk x split_k,
+16-byte aligned rows.
 
 Run the numerics check on a GPU: ``pytest -m gpu tests/test_gpu_kernels.py``.
 """
@@ -35,23 +42,25 @@ MAX_M = 512
 KCHUNK = 32  # K per MMA pair (two m16n8k16 steps)
 MAX_SPLIT = 16
 MAX_ACC = 64  # fp32 accumulators per thread: 4 x m_tiles x tile_m / 8
-MAX_REGS = 176  # load-batch + accumulator registers per lane (see _registers)
+SMEM_BUDGET = 100 * 1024  # pipeline + reduction bytes per CTA (H200: 227 KB per SM; two CTAs still fit)
 
 
 @dataclass(frozen=True)
 class SplitKConfig(KernelConfig):
     m_tiles: int = 1  # 16-row MMA tiles of W per warp
     warps_n: int = 4  # warps over row tiles
-    warps_k: int = 1  # warps over the CTA's K slice
+    warps_k: int = 1  # warps over the 32-wide K chunks of each stage
     tile_m: int = 8  # tokens per CTA (MMA N), a multiple of 8
     split_k: int = 1  # CTAs over K
-    unroll: int = 4  # K chunks loaded as one batch before their MMAs: 16-byte loads in flight per lane
+    bk: int = 64  # K per pipeline stage
+    stages: int = 4  # shared-memory buffers in the ring: stages - 1 tiles in flight
 
 
-def _registers(cfg: SplitKConfig) -> int:
-    """32-bit registers a lane holds for loads in flight and accumulators (spills past ~200)."""
-    nt = cfg.tile_m // 8
-    return 4 * cfg.unroll * (2 * cfg.m_tiles + nt) + 4 * cfg.m_tiles * nt
+def smem_bytes(cfg: SplitKConfig) -> int:
+    rows = 16 * cfg.m_tiles * cfg.warps_n
+    ring = cfg.stages * (rows + cfg.tile_m) * cfg.bk * 2
+    red = 4 * cfg.m_tiles * (cfg.tile_m // 8) * 32 * cfg.warps_n * (cfg.warps_k - 1) * 4
+    return ring + red + 16
 
 
 def _pow2_ceil(x: int) -> int:
@@ -77,17 +86,17 @@ class SplitKTensorCoreGemm(KernelFamily):
             "warps_k": (1, 2, 4),
             "tile_m": tiles,
             "split_k": (1, 2, 4, 8, 16),
-            "unroll": (1, 2, 4, 8),
+            "bk": (32, 64, 128),
+            "stages": (2, 3, 4, 6, 8),
         }
 
     def valid(self, cfg: SplitKConfig, problem: Problem) -> bool:
         k, n = problem["K"], problem["N"]
-        chunks = k // KCHUNK
         return (
-            chunks % cfg.split_k == 0
-            and chunks // cfg.split_k >= cfg.warps_k
+            k % (cfg.bk * cfg.split_k) == 0
+            and (cfg.bk // KCHUNK) % cfg.warps_k == 0  # each K warp takes the same number of chunks per stage
             and 4 * cfg.m_tiles * cfg.tile_m // 8 <= MAX_ACC
-            and _registers(cfg) <= MAX_REGS
+            and smem_bytes(cfg) <= SMEM_BUDGET
             and 16 * cfg.m_tiles * cfg.warps_n <= _pow2_ceil(n)  # no CTA made mostly of clamped rows
         )
 
@@ -95,19 +104,22 @@ class SplitKTensorCoreGemm(KernelFamily):
         return self.seeds(problem)[0] if self.seeds(problem) else SplitKConfig()
 
     def seeds(self, problem: Problem) -> list[SplitKConfig]:
-        """Warp layouts that fill the GPU: each with the smallest split-K giving >= 2 CTAs per SM (H200/GB300)."""
+        """Layouts that fill the GPU: each with the smallest split-K giving >= 2 CTAs per SM (H200/GB300)."""
         m, n = problem["M"], problem["N"]
         tile_m = min(64, max(8, _pow2_ceil(m)))
         out = []
-        for mt, wn, wk, u in ((1, 1, 4, 8), (1, 2, 2, 8), (1, 4, 1, 8), (2, 2, 2, 4)):
-            u = u if tile_m <= 16 else 2
+        for mt, wn, wk, bk, st in ((1, 4, 1, 64, 4), (1, 2, 2, 128, 4), (2, 2, 1, 64, 4), (1, 1, 4, 128, 3)):
             row_ctas = math.ceil(n / (16 * mt * wn)) * math.ceil(m / tile_m)
             for split in (1, 2, 4, 8, 16):
-                cfg = SplitKConfig(m_tiles=mt, warps_n=wn, warps_k=wk, tile_m=tile_m, split_k=split, unroll=u)
+                for b in (bk, 64, 32):  # K slices too short for this bk take a smaller one
+                    cfg = SplitKConfig(m_tiles=mt, warps_n=wn, warps_k=min(wk, b // KCHUNK), tile_m=tile_m,
+                                       split_k=split, bk=b, stages=st)
+                    if self.valid(cfg, problem):
+                        break
                 if self.valid(cfg, problem) and (row_ctas * split >= 264 or split == 16):
                     out.append(cfg)
                     break
-        return out
+        return list(dict.fromkeys(out))
 
     def work(self, problem: Problem, cfg: SplitKConfig) -> Work:
         m, n = problem["M"], problem["N"]
@@ -115,14 +127,15 @@ class SplitKTensorCoreGemm(KernelFamily):
         m_passes = math.ceil(m / cfg.tile_m)
         ctas = math.ceil(n / rows) * m_passes * cfg.split_k
         partial = (cfg.split_k - 1) * m * n * 4 * 2 if cfg.split_k > 1 else 0
+        threads = cfg.warps_n * cfg.warps_k * 32
         return Work(
             # each token tile beyond the first re-reads W, mostly from L2
             hbm_bytes=gemm_common.gemm_bytes(problem) * (1 + 0.25 * (m_passes - 1)) + partial,
             flops=2.0 * cfg.tile_m * m_passes * n * problem["K"],
             ctas=ctas,
-            inflight_bytes_per_cta=cfg.warps_n * cfg.warps_k * 32 * 32 * cfg.m_tiles * cfg.unroll,  # W bytes per batch
+            inflight_bytes_per_cta=(cfg.stages - 1) * rows * cfg.bk * 2,  # W tiles in flight in the ring
             tensor_cores=True,
-            ctas_per_sm=min(16, 2048 // (cfg.warps_n * cfg.warps_k * 32)),
+            ctas_per_sm=max(1, min(16, 2048 // threads, 227 * 1024 // smem_bytes(cfg))),
             launches=1,
             extra_us=0.1 * math.log2(cfg.split_k) + 0.05 * cfg.warps_k,
         )
@@ -150,7 +163,8 @@ class SplitKTensorCoreGemm(KernelFamily):
         from cuda.bindings import driver as cuda
         from cutlass.cute.runtime import from_dlpack
 
-        fn = compiled(cfg.m_tiles, cfg.warps_n, cfg.warps_k, cfg.tile_m, cfg.split_k, cfg.unroll, current_arch())
+        fn = compiled(cfg.m_tiles, cfg.warps_n, cfg.warps_k, cfg.tile_m, cfg.split_k, cfg.bk, cfg.stages,
+                      current_arch())
 
         def run(inputs: dict):
             fn(*runtime_args(inputs), cuda.CUstream(torch.cuda.current_stream().cuda_stream))
@@ -158,9 +172,9 @@ class SplitKTensorCoreGemm(KernelFamily):
 
         def runtime_args(inputs: dict):
             x = (from_dlpack(inputs["x"], assumed_align=16).mark_compact_shape_dynamic(mode=0)
-                 .mark_compact_shape_dynamic(mode=1, divisibility=KCHUNK))
+                 .mark_compact_shape_dynamic(mode=1, divisibility=cfg.bk))
             w = (from_dlpack(inputs["w"], assumed_align=16).mark_compact_shape_dynamic(mode=0)
-                 .mark_compact_shape_dynamic(mode=1, divisibility=KCHUNK))
+                 .mark_compact_shape_dynamic(mode=1, divisibility=cfg.bk))
             y = from_dlpack(inputs["out"], assumed_align=16).mark_layout_dynamic()
             ws = from_dlpack(inputs["ws"], assumed_align=16).mark_layout_dynamic()
             cnt = from_dlpack(inputs["counters"], assumed_align=4).mark_layout_dynamic()
@@ -170,7 +184,7 @@ class SplitKTensorCoreGemm(KernelFamily):
 
 
 @functools.cache
-def compiled(m_tiles: int, warps_n: int, warps_k: int, tile_m: int, split: int, unroll: int, arch: str):
+def compiled(m_tiles: int, warps_n: int, warps_k: int, tile_m: int, split: int, bk: int, stages: int, arch: str):
     """Compile once per knob set and arch; M, N and K are dynamic. Never call inside a capture."""
     import os
 
@@ -179,13 +193,13 @@ def compiled(m_tiles: int, warps_n: int, warps_k: int, tile_m: int, split: int, 
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
     os.environ["CUTE_DSL_ARCH"] = arch  # some checks read the environment, not the option
-    m, n, k = cute.sym_int(), cute.sym_int(), cute.sym_int(divisibility=KCHUNK)
+    m, n, k = cute.sym_int(), cute.sym_int(), cute.sym_int(divisibility=bk)
     x = make_fake_compact_tensor(BFloat16, (m, k), stride_order=(1, 0), assumed_align=16)
     w = make_fake_compact_tensor(BFloat16, (n, k), stride_order=(1, 0), assumed_align=16)
     y = make_fake_compact_tensor(BFloat16, (m, n), stride_order=(1, 0), assumed_align=16)
     ws = make_fake_compact_tensor(Float32, (cute.sym_int(), m, n), stride_order=(2, 1, 0), assumed_align=16)
     cnt = make_fake_compact_tensor(Int32, (cute.sym_int(), cute.sym_int()), stride_order=(1, 0), assumed_align=4)
-    kernel = _kernel_class()(m_tiles, warps_n, warps_k, tile_m, split, unroll)
+    kernel = _kernel_class()(m_tiles, warps_n, warps_k, tile_m, split, bk, stages)
     return cute.compile(kernel, x, w, y, ws, cnt, make_fake_stream(), options=f"--gpu-arch {arch}")
 
 
@@ -200,23 +214,29 @@ def _kernel_class():
     VEC = 8
 
     class SplitKTcKernel:
-        def __init__(self, m_tiles, warps_n, warps_k, tile_m, split, unroll):
+        def __init__(self, m_tiles, warps_n, warps_k, tile_m, split, bk, stages):
             self.mt, self.wn, self.wk, self.nt = m_tiles, warps_n, warps_k, tile_m // 8
-            self.split, self.unroll = split, unroll
+            self.tm, self.split, self.bk, self.stages = tile_m, split, bk, stages
             self.rows = 16 * m_tiles * warps_n
+            self.threads = 32 * warps_n * warps_k
+            self.vr = bk // VEC  # 16-byte vectors per row of a stage
+            self.kc = bk // KCHUNK  # 32-wide chunks per stage
+            self.swz = 4 if self.vr >= 8 else 0  # rows of 128/256 bytes: vector j of row r sits at j ^ 4 (r & 1)
+            self.w_copies = self.rows * self.vr // self.threads  # exact (valid() guarantees it)
+            self.x_copies = (tile_m * self.vr + self.threads - 1) // self.threads
 
         @cute.jit
         def __call__(self, mX: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor, mWs: cute.Tensor,
                      mCnt: cute.Tensor, stream: cuda.CUstream):
             m = mX.shape[0]
             n = mW.shape[0]
-            grid = ((n + self.rows - 1) // self.rows, (m + 8 * self.nt - 1) // (8 * self.nt), self.split)
-            self.kernel(mX, mW, mY, mWs, mCnt).launch(grid=grid, block=(self.wn * self.wk * 32, 1, 1),
-                                                      stream=stream)
+            grid = ((n + self.rows - 1) // self.rows, (m + self.tm - 1) // self.tm, self.split)
+            self.kernel(mX, mW, mY, mWs, mCnt).launch(grid=grid, block=(self.threads, 1, 1), stream=stream)
 
         @cute.kernel
         def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor, mWs: cute.Tensor, mCnt: cute.Tensor):
-            MT, NT, WN, WK, S = self.mt, self.nt, self.wn, self.wk, self.split
+            MT, NT, WN, WK, S, P = self.mt, self.nt, self.wn, self.wk, self.split, self.stages
+            ROWS, TM, VR, BK = self.rows, self.tm, self.vr, self.bk
             tidx, _, _ = cute.arch.thread_idx()
             bidx, bidy, bidz = cute.arch.block_idx()
             m = mX.shape[0]
@@ -227,47 +247,48 @@ def _kernel_class():
             c = lane % 4
             wrow = warp % WN
             wkk = warp // WN
-            row0 = bidx * self.rows + wrow * 16 * MT
-            tok0 = bidy * 8 * NT
-            chunks = mW.shape[1] // (KCHUNK * S)  # 32-wide K chunks in this CTA's slice
-            kc0 = bidz * chunks
+            row0 = bidx * ROWS
+            tok0 = bidy * TM
+            ktiles = mW.shape[1] // (BK * S)  # stages of K in this CTA's slice
+            kt0 = bidz * ktiles
 
+            smem = cutlass.utils.SmemAllocator()
+            # ((1, 8) elements, vector position, row, stage): every 16-byte vector is contiguous; its (1, 8) mode
+            # matches the global vectors' (the cp.async copy needs the same shape on both sides)
+            sW = smem.allocate_tensor(BFloat16, cute.make_layout(((1, VEC), VR, ROWS, P), stride=((0, 1), VEC, BK, ROWS * BK)),
+                                      128)
+            sX = smem.allocate_tensor(BFloat16, cute.make_layout(((1, VEC), VR, TM, P), stride=((0, 1), VEC, BK, TM * BK)),
+                                      128)
             gW = cute.zipped_divide(mW, (1, VEC))
             gX = cute.zipped_divide(mX, (1, VEC))
-            w_atom = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), BFloat16, num_bits_per_copy=128, invariant=True)
-            x_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
+            g2s = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.cpasync.LoadCacheMode.GLOBAL),
+                                      BFloat16, num_bits_per_copy=128)
+            s2r = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
             mma = cute.make_mma_atom(cute.nvgpu.warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16)))
-
-            # rows and tokens this lane loads (clamped: out-of-range lanes compute values nobody stores)
-            wrows = []
-            for i in cutlass.range_constexpr(2 * MT):
-                wrows.append(cutlass.min(row0 + (i // 2) * 16 + (i % 2) * 8 + g, n - 1))
-            toks = []
-            for j in cutlass.range_constexpr(NT):
-                toks.append(cutlass.min(tok0 + j * 8 + g, m - 1))
 
             acc = cute.make_rmem_tensor(cute.make_layout((4, MT, NT)), Float32)
             acc.fill(0.0)
-            U = self.unroll
-            rw = cute.make_rmem_tensor(cute.make_layout((VEC, 2 * MT, U)), BFloat16)
-            rx = cute.make_rmem_tensor(cute.make_layout((VEC, NT, U)), BFloat16)
+            rw = cute.make_rmem_tensor(cute.make_layout((VEC, 2 * MT)), BFloat16)
+            rx = cute.make_rmem_tensor(cute.make_layout((VEC, NT)), BFloat16)
             fa = cute.make_rmem_tensor(cute.make_layout((8, MT)), BFloat16)  # MMA operand order (PTX a0..a7)
             fb = cute.make_rmem_tensor(cute.make_layout((4, NT)), BFloat16)
-            tmp = cute.make_rmem_tensor(cute.make_layout((4, MT, NT)), Float32)
-            # batches of U consecutive chunks: every load of a batch is issued before the first MMA, so a warp
-            # keeps U x (2 MT + NT) 16-byte loads per lane in flight instead of waiting a round trip per chunk.
-            # No branch may separate a load from its MMA (the compiler would sink the load into it): whole
-            # batches first, then one batch whose clamped tail is masked arithmetically.
-            full = chunks - chunks % (WK * U)
-            for kb in cutlass.range(wkk * U, full, WK * U):
-                self._batch(gW, gX, w_atom, x_atom, mma, wrows, toks, kc0, kb, chunks, c, rw, rx, fa, fb, acc, tmp,
-                            False)
-            if full < chunks:
-                self._batch(gW, gX, w_atom, x_atom, mma, wrows, toks, kc0, full + wkk * U, chunks, c, rw, rx, fa, fb,
-                            acc, tmp, True)
+
+            # prologue: the first P - 1 stages in flight (one commit group per stage, empty past the slice)
+            for s in cutlass.range_constexpr(P - 1):
+                if s < ktiles:
+                    self._issue(gW, gX, sW, sX, g2s, kt0 + s, s, tidx, row0, tok0, m, n)
+                cute.arch.cp_async_commit_group()
+            for kt in cutlass.range(ktiles):
+                cute.arch.cp_async_wait_group(P - 2)  # this thread's copies of stage kt have landed
+                cute.arch.sync_threads()  # everyone's have; and everyone is done with the slot refilled next
+                nk = kt + P - 1
+                if nk < ktiles:
+                    self._issue(gW, gX, sW, sX, g2s, kt0 + nk, nk % P, tidx, row0, tok0, m, n)
+                cute.arch.cp_async_commit_group()
+                self._compute(sW, sX, s2r, mma, kt % P, wrow, wkk, g, c, rw, rx, fa, fb, acc)
+            cute.arch.cp_async_wait_group(0)
 
             nacc = 4 * MT * NT
-            smem = cutlass.utils.SmemAllocator()
             if cutlass.const_expr(WK > 1):  # reduce the K warps in warp order (deterministic)
                 red = smem.allocate_tensor(Float32, cute.make_layout((nacc, 32, WN, WK - 1)), 16)
                 if wkk > 0:
@@ -279,12 +300,13 @@ def _kernel_class():
                         for e in cutlass.range_constexpr(nacc):
                             acc[e] = acc[e] + red[e, lane, wrow, q]
 
+            wrow0 = row0 + wrow * 16 * MT
             if cutlass.const_expr(S == 1):
                 if wkk == 0:
-                    self._store(acc, mY, row0, tok0, g, c, m, n)
+                    self._store(acc, mY, wrow0, tok0, g, c, m, n)
             else:
                 if wkk == 0:
-                    self._store(acc, mWs[bidz, None, None], row0, tok0, g, c, m, n)
+                    self._store(acc, mWs[bidz, None, None], wrow0, tok0, g, c, m, n)
                 cute.arch.fence_acq_rel_gpu()
                 cute.arch.sync_threads()
                 flag = smem.allocate_tensor(Int32, cute.make_layout(1), 4)
@@ -299,42 +321,58 @@ def _kernel_class():
                         for e in cutlass.range_constexpr(nacc):
                             acc[e] = Float32(0.0)
                         for z in cutlass.range_constexpr(S):
-                            self._accumulate(acc, mWs[z, None, None], row0, tok0, g, c, m, n)
-                        self._store(acc, mY, row0, tok0, g, c, m, n)
+                            self._accumulate(acc, mWs[z, None, None], wrow0, tok0, g, c, m, n)
+                        self._store(acc, mY, wrow0, tok0, g, c, m, n)
                     if tidx == 0:
                         mCnt[bidx, bidy] = Int32(0)
 
         @cute.jit
-        def _batch(self, gW, gX, w_atom, x_atom, mma, wrows, toks, kc0, kb, chunks, c, rw, rx, fa, fb, acc, tmp,
-                   masked: cutlass.Constexpr):
-            MT, NT, U = self.mt, self.nt, self.unroll
-            for u in cutlass.range_constexpr(U):
-                kv = (kc0 + cutlass.min(kb + u, chunks - 1)) * 4 + c  # lane's 16-byte vector along K
+        def _issue(self, gW, gX, sW, sX, g2s, kt, slot, tidx, row0, tok0, m, n):
+            """cp.async of stage ``kt`` (K vectors kt*VR ...) into ring slot ``slot``: consecutive threads copy
+            consecutive 16-byte vectors of a row (rows past N and tokens past M are clamped: nobody stores them)."""
+            VR, T = self.vr, self.threads
+            kv0 = kt * VR
+            for i in cutlass.range_constexpr(self.w_copies):
+                q = tidx + i * T
+                r = q // VR
+                j = q % VR
+                cute.copy(g2s, gW[(None, (cutlass.min(row0 + r, n - 1), kv0 + j))],
+                          sW[None, j ^ ((r % 2) * self.swz), r, slot])
+            for i in cutlass.range_constexpr(self.x_copies):
+                q = tidx + i * T
+                if cutlass.const_expr((i + 1) * T <= self.tm * VR):
+                    r = q // VR
+                    j = q % VR
+                    cute.copy(g2s, gX[(None, (cutlass.min(tok0 + r, m - 1), kv0 + j))],
+                              sX[None, j ^ ((r % 2) * self.swz), r, slot])
+                else:
+                    if q < self.tm * VR:
+                        r = q // VR
+                        j = q % VR
+                        cute.copy(g2s, gX[(None, (cutlass.min(tok0 + r, m - 1), kv0 + j))],
+                                  sX[None, j ^ ((r % 2) * self.swz), r, slot])
+
+        @cute.jit
+        def _compute(self, sW, sX, s2r, mma, slot, wrow, wkk, g, c, rw, rx, fa, fb, acc):
+            MT, NT, WK = self.mt, self.nt, self.wk
+            flip = (g % 2) * self.swz  # rows g and g + 8 (and token g) share the parity of g
+            for cc in cutlass.range_constexpr(self.kc // WK):
+                pos = ((wkk + cc * WK) * 4 + c) ^ flip  # this lane's vector of the 32-wide chunk
                 for i in cutlass.range_constexpr(2 * MT):
-                    cute.copy(w_atom, gW[(None, (wrows[i], kv))], rw[None, i, u])
+                    cute.copy(s2r, sW[None, pos, wrow * 16 * MT + (i // 2) * 16 + (i % 2) * 8 + g, slot], rw[None, i])
                 for j in cutlass.range_constexpr(NT):
-                    cute.copy(x_atom, gX[(None, (toks[j], kv))], rx[None, j, u])
-            for u in cutlass.range_constexpr(U):
-                if cutlass.const_expr(masked):
-                    tmp.fill(0.0)
+                    cute.copy(s2r, sX[None, pos, j * 8 + g, slot], rx[None, j])
                 for s in cutlass.range_constexpr(2):  # two k16 steps: vector elements 4s..4s+3
                     for i in cutlass.range_constexpr(MT):
                         for h in cutlass.range_constexpr(2):  # a0a1/a4a5 (row g), a2a3/a6a7 (row g+8)
-                            fa[4 * h, i] = rw[4 * s + 2 * h, 2 * i, u]
-                            fa[4 * h + 1, i] = rw[4 * s + 2 * h + 1, 2 * i, u]
-                            fa[4 * h + 2, i] = rw[4 * s + 2 * h, 2 * i + 1, u]
-                            fa[4 * h + 3, i] = rw[4 * s + 2 * h + 1, 2 * i + 1, u]
+                            fa[4 * h, i] = rw[4 * s + 2 * h, 2 * i]
+                            fa[4 * h + 1, i] = rw[4 * s + 2 * h + 1, 2 * i]
+                            fa[4 * h + 2, i] = rw[4 * s + 2 * h, 2 * i + 1]
+                            fa[4 * h + 3, i] = rw[4 * s + 2 * h + 1, 2 * i + 1]
                     for j in cutlass.range_constexpr(NT):
                         for v in cutlass.range_constexpr(4):
-                            fb[v, j] = rx[4 * s + v, j, u]
-                    if cutlass.const_expr(masked):
-                        cute.gemm(mma, tmp, fa, fb, tmp)
-                    else:
-                        cute.gemm(mma, acc, fa, fb, acc)
-                if cutlass.const_expr(masked):
-                    keep = cutlass.max(cutlass.min(chunks - kb - u, 1), 0).to(Float32)  # 1 inside K, else 0
-                    for e in cutlass.range_constexpr(4 * MT * NT):
-                        acc[e] = acc[e] + tmp[e] * keep
+                            fb[v, j] = rx[4 * s + v, j]
+                    cute.gemm(mma, acc, fa, fb, acc)
 
         @cute.jit
         def _store(self, acc: cute.Tensor, out: cute.Tensor, row0, tok0, g, c, m, n):
