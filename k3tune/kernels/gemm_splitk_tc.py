@@ -21,6 +21,9 @@ Work split: ``warps_n`` warps own different row tiles; ``warps_k`` warps take di
 stage and are reduced through shared memory in warp order. ``split_k`` CTAs share a row tile: each writes fp32
 partials to a workspace, and the last one to arrive (a per-tile counter) sums the slices in slice order and
 writes bf16 — one launch, deterministic, and that CTA resets the counter so the launch replays in a CUDA graph.
+With ``cluster = 1`` (split_k 2..8) the split CTAs of a tile are one thread-block cluster instead: partials stay
+in each CTA's shared memory and rank 0 sums them over DSMEM in rank order (two cluster barriers, no global
+round trips).
 
 M (tokens) is dynamic: one compile per knob set and arch serves every M and every projection shape; tokens
 beyond M and rows beyond N are clamped on load and masked on store. Constraints: K a multiple of bk x split_k,
@@ -29,6 +32,7 @@ beyond M and rows beyond N are clamped on load and masked on store. Constraints:
 Run the numerics check on a GPU: ``pytest -m gpu tests/test_gpu_kernels.py``.
 """
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -54,13 +58,16 @@ class SplitKConfig(KernelConfig):
     split_k: int = 1  # CTAs over K
     bk: int = 64  # K per pipeline stage
     stages: int = 4  # shared-memory buffers in the ring: stages - 1 tiles in flight
+    cluster: int = 0  # 1: the split_k CTAs of a tile form a thread-block cluster and reduce through DSMEM
 
 
 def smem_bytes(cfg: SplitKConfig) -> int:
     rows = 16 * cfg.m_tiles * cfg.warps_n
     ring = cfg.stages * (rows + cfg.tile_m) * cfg.bk * 2
-    red = 4 * cfg.m_tiles * (cfg.tile_m // 8) * 32 * cfg.warps_n * (cfg.warps_k - 1) * 4
-    return ring + red + 16
+    nacc = 4 * cfg.m_tiles * (cfg.tile_m // 8)
+    red = nacc * 32 * cfg.warps_n * (cfg.warps_k - 1) * 4
+    part = nacc * 32 * cfg.warps_n * 4 if cfg.cluster else 0
+    return ring + red + part + 16
 
 
 def _pow2_ceil(x: int) -> int:
@@ -88,6 +95,7 @@ class SplitKTensorCoreGemm(KernelFamily):
             "split_k": (1, 2, 4, 8, 16),
             "bk": (32, 64, 128),
             "stages": (2, 3, 4, 6, 8),
+            "cluster": (0, 1),
         }
 
     def valid(self, cfg: SplitKConfig, problem: Problem) -> bool:
@@ -98,7 +106,12 @@ class SplitKTensorCoreGemm(KernelFamily):
             and 4 * cfg.m_tiles * cfg.tile_m // 8 <= MAX_ACC
             and smem_bytes(cfg) <= SMEM_BUDGET
             and 16 * cfg.m_tiles * cfg.warps_n <= _pow2_ceil(n)  # no CTA made mostly of clamped rows
+            and (not cfg.cluster or 2 <= cfg.split_k <= 8)  # portable cluster sizes
         )
+
+    def canonical(self, params: dict) -> dict:
+        """Without split-K there is nothing to reduce: the cluster knob is ignored."""
+        return {**params, "cluster": 0} if params.get("split_k") == 1 else params
 
     def default(self, problem: Problem) -> SplitKConfig:
         return self.seeds(problem)[0] if self.seeds(problem) else SplitKConfig()
@@ -118,6 +131,9 @@ class SplitKTensorCoreGemm(KernelFamily):
                         break
                 if self.valid(cfg, problem) and (row_ctas * split >= 264 or split == 16):
                     out.append(cfg)
+                    twin = dataclasses.replace(cfg, cluster=1)  # the same split reduced over DSMEM
+                    if self.valid(twin, problem):
+                        out.append(twin)
                     break
         return list(dict.fromkeys(out))
 
@@ -164,7 +180,7 @@ class SplitKTensorCoreGemm(KernelFamily):
         from cutlass.cute.runtime import from_dlpack
 
         fn = compiled(cfg.m_tiles, cfg.warps_n, cfg.warps_k, cfg.tile_m, cfg.split_k, cfg.bk, cfg.stages,
-                      current_arch())
+                      cfg.cluster, current_arch())
 
         def run(inputs: dict):
             fn(*runtime_args(inputs), cuda.CUstream(torch.cuda.current_stream().cuda_stream))
@@ -184,7 +200,8 @@ class SplitKTensorCoreGemm(KernelFamily):
 
 
 @functools.cache
-def compiled(m_tiles: int, warps_n: int, warps_k: int, tile_m: int, split: int, bk: int, stages: int, arch: str):
+def compiled(m_tiles: int, warps_n: int, warps_k: int, tile_m: int, split: int, bk: int, stages: int, cluster: int,
+             arch: str):
     """Compile once per knob set and arch; M, N and K are dynamic. Never call inside a capture."""
     import os
 
@@ -199,7 +216,7 @@ def compiled(m_tiles: int, warps_n: int, warps_k: int, tile_m: int, split: int, 
     y = make_fake_compact_tensor(BFloat16, (m, n), stride_order=(1, 0), assumed_align=16)
     ws = make_fake_compact_tensor(Float32, (cute.sym_int(), m, n), stride_order=(2, 1, 0), assumed_align=16)
     cnt = make_fake_compact_tensor(Int32, (cute.sym_int(), cute.sym_int()), stride_order=(1, 0), assumed_align=4)
-    kernel = _kernel_class()(m_tiles, warps_n, warps_k, tile_m, split, bk, stages)
+    kernel = _kernel_class()(m_tiles, warps_n, warps_k, tile_m, split, bk, stages, cluster)
     return cute.compile(kernel, x, w, y, ws, cnt, make_fake_stream(), options=f"--gpu-arch {arch}")
 
 
@@ -210,13 +227,15 @@ def _kernel_class():
     import cutlass.cute as cute
     from cuda.bindings import driver as cuda
     from cutlass import BFloat16, Float32, Int32
+    from cutlass._mlir.dialects import llvm, nvvm
 
     VEC = 8
 
     class SplitKTcKernel:
-        def __init__(self, m_tiles, warps_n, warps_k, tile_m, split, bk, stages):
+        def __init__(self, m_tiles, warps_n, warps_k, tile_m, split, bk, stages, cluster):
             self.mt, self.wn, self.wk, self.nt = m_tiles, warps_n, warps_k, tile_m // 8
             self.tm, self.split, self.bk, self.stages = tile_m, split, bk, stages
+            self.cluster = bool(cluster) and split > 1
             self.rows = 16 * m_tiles * warps_n
             self.threads = 32 * warps_n * warps_k
             self.vr = bk // VEC  # 16-byte vectors per row of a stage
@@ -231,7 +250,11 @@ def _kernel_class():
             m = mX.shape[0]
             n = mW.shape[0]
             grid = ((n + self.rows - 1) // self.rows, (m + self.tm - 1) // self.tm, self.split)
-            self.kernel(mX, mW, mY, mWs, mCnt).launch(grid=grid, block=(self.threads, 1, 1), stream=stream)
+            if cutlass.const_expr(self.cluster):
+                self.kernel(mX, mW, mY, mWs, mCnt).launch(grid=grid, block=(self.threads, 1, 1),
+                                                          cluster=(1, 1, self.split), stream=stream)
+            else:
+                self.kernel(mX, mW, mY, mWs, mCnt).launch(grid=grid, block=(self.threads, 1, 1), stream=stream)
 
         @cute.kernel
         def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor, mWs: cute.Tensor, mCnt: cute.Tensor):
@@ -253,14 +276,11 @@ def _kernel_class():
             kt0 = bidz * ktiles
 
             smem = cutlass.utils.SmemAllocator()
-            # ((1, 8) elements, vector position, row, stage): every 16-byte vector is contiguous; its (1, 8) mode
-            # matches the global vectors' (the cp.async copy needs the same shape on both sides)
-            sW = smem.allocate_tensor(BFloat16, cute.make_layout(((1, VEC), VR, ROWS, P), stride=((0, 1), VEC, BK, ROWS * BK)),
-                                      128)
-            sX = smem.allocate_tensor(BFloat16, cute.make_layout(((1, VEC), VR, TM, P), stride=((0, 1), VEC, BK, TM * BK)),
-                                      128)
-            gW = cute.zipped_divide(mW, (1, VEC))
-            gX = cute.zipped_divide(mX, (1, VEC))
+            # ring buffers [stage][row][vector position][8 elements]; every vector is addressed through a pointer
+            # aligned to 16 bytes and viewed as a flat 8-element tensor (a nested (1, 8) view makes the copy emit
+            # eight misaligned 16-byte copies)
+            sW = smem.allocate_tensor(BFloat16, cute.make_layout(P * ROWS * BK), 128)
+            sX = smem.allocate_tensor(BFloat16, cute.make_layout(P * TM * BK), 128)
             g2s = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.cpasync.LoadCacheMode.GLOBAL),
                                       BFloat16, num_bits_per_copy=128)
             s2r = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
@@ -276,14 +296,14 @@ def _kernel_class():
             # prologue: the first P - 1 stages in flight (one commit group per stage, empty past the slice)
             for s in cutlass.range_constexpr(P - 1):
                 if s < ktiles:
-                    self._issue(gW, gX, sW, sX, g2s, kt0 + s, s, tidx, row0, tok0, m, n)
+                    self._issue(mW, mX, sW, sX, g2s, kt0 + s, s, tidx, row0, tok0, m, n)
                 cute.arch.cp_async_commit_group()
             for kt in cutlass.range(ktiles):
                 cute.arch.cp_async_wait_group(P - 2)  # this thread's copies of stage kt have landed
                 cute.arch.sync_threads()  # everyone's have; and everyone is done with the slot refilled next
                 nk = kt + P - 1
                 if nk < ktiles:
-                    self._issue(gW, gX, sW, sX, g2s, kt0 + nk, nk % P, tidx, row0, tok0, m, n)
+                    self._issue(mW, mX, sW, sX, g2s, kt0 + nk, nk % P, tidx, row0, tok0, m, n)
                 cute.arch.cp_async_commit_group()
                 self._compute(sW, sX, s2r, mma, kt % P, wrow, wkk, g, c, rw, rx, fa, fb, acc)
             cute.arch.cp_async_wait_group(0)
@@ -304,6 +324,27 @@ def _kernel_class():
             if cutlass.const_expr(S == 1):
                 if wkk == 0:
                     self._store(acc, mY, wrow0, tok0, g, c, m, n)
+            elif cutlass.const_expr(self.cluster):
+                # the split CTAs of this tile are one cluster (rank = bidz): each leaves its partials in its own
+                # shared memory, rank 0 sums them in rank order over DSMEM (deterministic, no global round trip)
+                part = smem.allocate_tensor(Float32, cute.make_layout((nacc, 32, WN)), 16)
+                if wkk == 0:
+                    for e in cutlass.range_constexpr(nacc):
+                        part[e, lane, wrow] = acc[e]
+                cute.arch.cluster_arrive()
+                cute.arch.cluster_wait()
+                if bidz == 0:
+                    if wkk == 0:
+                        for e in cutlass.range_constexpr(nacc):
+                            acc[e] = Float32(0.0)
+                        for z in cutlass.range_constexpr(S):
+                            for e in cutlass.range_constexpr(nacc):
+                                local = (part.iterator + (e + nacc * (lane + 32 * wrow))).to_llvm_ptr()
+                                peer = nvvm.mapa(llvm.PointerType.get(7), local, Int32(z).ir_value())
+                                acc[e] = acc[e] + Float32(llvm.load(Float32.mlir_type, peer))
+                        self._store(acc, mY, wrow0, tok0, g, c, m, n)
+                cute.arch.cluster_arrive()  # every CTA's partials stay in place until rank 0 has read them
+                cute.arch.cluster_wait()
             else:
                 if wkk == 0:
                     self._store(acc, mWs[bidz, None, None], wrow0, tok0, g, c, m, n)
@@ -327,30 +368,39 @@ def _kernel_class():
                         mCnt[bidx, bidy] = Int32(0)
 
         @cute.jit
-        def _issue(self, gW, gX, sW, sX, g2s, kt, slot, tidx, row0, tok0, m, n):
-            """cp.async of stage ``kt`` (K vectors kt*VR ...) into ring slot ``slot``: consecutive threads copy
-            consecutive 16-byte vectors of a row (rows past N and tokens past M are clamped: nobody stores them)."""
-            VR, T = self.vr, self.threads
-            kv0 = kt * VR
+        def _vec(self, ptr):
+            return cute.make_tensor(ptr.align(16), cute.make_layout(VEC))
+
+        @cute.jit
+        def _issue(self, mW, mX, sW, sX, g2s, kt, slot, tidx, row0, tok0, m, n):
+            """cp.async of stage ``kt`` (K from kt*bk) into ring slot ``slot``: consecutive threads copy consecutive
+            16-byte vectors of a row (rows past N and tokens past M are clamped: nobody stores them)."""
+            VR, T, BK = self.vr, self.threads, self.bk
+            k = mW.shape[1]
+            k0 = kt * BK
             for i in cutlass.range_constexpr(self.w_copies):
                 q = tidx + i * T
                 r = q // VR
                 j = q % VR
-                cute.copy(g2s, gW[(None, (cutlass.min(row0 + r, n - 1), kv0 + j))],
-                          sW[None, j ^ ((r % 2) * self.swz), r, slot])
+                src = mW.iterator + (cutlass.min(row0 + r, n - 1) * k + k0 + j * VEC)
+                dst = sW.iterator + ((slot * self.rows + r) * BK + (j ^ ((r % 2) * self.swz)) * VEC)
+                cute.copy(g2s, self._vec(src), self._vec(dst))
             for i in cutlass.range_constexpr(self.x_copies):
                 q = tidx + i * T
                 if cutlass.const_expr((i + 1) * T <= self.tm * VR):
-                    r = q // VR
-                    j = q % VR
-                    cute.copy(g2s, gX[(None, (cutlass.min(tok0 + r, m - 1), kv0 + j))],
-                              sX[None, j ^ ((r % 2) * self.swz), r, slot])
+                    self._issue_x(mX, sX, g2s, q, k0, slot, tok0, m)
                 else:
                     if q < self.tm * VR:
-                        r = q // VR
-                        j = q % VR
-                        cute.copy(g2s, gX[(None, (cutlass.min(tok0 + r, m - 1), kv0 + j))],
-                                  sX[None, j ^ ((r % 2) * self.swz), r, slot])
+                        self._issue_x(mX, sX, g2s, q, k0, slot, tok0, m)
+
+        @cute.jit
+        def _issue_x(self, mX, sX, g2s, q, k0, slot, tok0, m):
+            VR, BK = self.vr, self.bk
+            r = q // VR
+            j = q % VR
+            src = mX.iterator + (cutlass.min(tok0 + r, m - 1) * mX.shape[1] + k0 + j * VEC)
+            dst = sX.iterator + ((slot * self.tm + r) * BK + (j ^ ((r % 2) * self.swz)) * VEC)
+            cute.copy(g2s, self._vec(src), self._vec(dst))
 
         @cute.jit
         def _compute(self, sW, sX, s2r, mma, slot, wrow, wkk, g, c, rw, rx, fa, fb, acc):
@@ -359,9 +409,11 @@ def _kernel_class():
             for cc in cutlass.range_constexpr(self.kc // WK):
                 pos = ((wkk + cc * WK) * 4 + c) ^ flip  # this lane's vector of the 32-wide chunk
                 for i in cutlass.range_constexpr(2 * MT):
-                    cute.copy(s2r, sW[None, pos, wrow * 16 * MT + (i // 2) * 16 + (i % 2) * 8 + g, slot], rw[None, i])
+                    r = wrow * 16 * MT + (i // 2) * 16 + (i % 2) * 8 + g
+                    cute.copy(s2r, self._vec(sW.iterator + ((slot * self.rows + r) * self.bk + pos * VEC)), rw[None, i])
                 for j in cutlass.range_constexpr(NT):
-                    cute.copy(s2r, sX[None, pos, j * 8 + g, slot], rx[None, j])
+                    cute.copy(s2r, self._vec(sX.iterator + ((slot * self.tm + j * 8 + g) * self.bk + pos * VEC)),
+                              rx[None, j])
                 for s in cutlass.range_constexpr(2):  # two k16 steps: vector elements 4s..4s+3
                     for i in cutlass.range_constexpr(MT):
                         for h in cutlass.range_constexpr(2):  # a0a1/a4a5 (row g), a2a3/a6a7 (row g+8)

@@ -1,0 +1,33 @@
+"""Debug one gemm.splitk_tc config on the GPU: run it once (for compute-sanitizer) and dump its SASS.
+
+    python bench/tc_debug.py M N K m_tiles,warps_n,warps_k,tile_m,split_k,bk,stages [sass_out]
+"""
+import subprocess
+import sys
+
+import torch
+
+from k3tune.kernels import family, gemm_splitk_tc
+from k3tune.kernels.gemm_splitk_tc import SplitKConfig
+from k3tune.plan.problems import Problem
+
+m, n, k = (int(a) for a in sys.argv[1:4])
+knobs = [int(a) for a in sys.argv[4].split(",")]
+fam = family("gemm.splitk_tc")
+p = Problem("kda.o_proj", "gemm", (("M", m), ("N", n), ("K", k)))
+cfg = SplitKConfig(*knobs)
+if len(sys.argv) > 5:
+    fn = gemm_splitk_tc.compiled(*knobs, gemm_splitk_tc.current_arch())
+    data = fn.dump_to_object("dbg")
+    idx = [i for i in range(len(data)) if data.startswith(b"\x7fELF", i)]
+    for j, i in enumerate(idx[1:]):
+        open(f"/tmp/tc{j}.cubin", "wb").write(data[i:])
+        out = subprocess.run(["cuobjdump", "-sass", f"/tmp/tc{j}.cubin"], capture_output=True, text=True)
+        open(sys.argv[5], "a").write(out.stdout + out.stderr)
+gen = torch.Generator(device="cuda").manual_seed(0)
+inputs = fam.make_inputs(p, torch.device("cuda"), gen)
+inputs["out"].fill_(float("nan"))
+out = fam.build(p, cfg)(inputs)
+torch.cuda.synchronize()
+ref = fam.reference(p, inputs)
+print("err", ((out.float() - ref).norm() / ref.norm()).item())
