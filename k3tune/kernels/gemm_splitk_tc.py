@@ -21,9 +21,8 @@ Work split: ``warps_n`` warps own different row tiles; ``warps_k`` warps take di
 stage and are reduced through shared memory in warp order. ``split_k`` CTAs share a row tile: each writes fp32
 partials to a workspace, and the last one to arrive (a per-tile counter) sums the slices in slice order and
 writes bf16 — one launch, deterministic, and that CTA resets the counter so the launch replays in a CUDA graph.
-With ``cluster = 1`` (split_k 2..8) the split CTAs of a tile are one thread-block cluster instead: partials stay
-in each CTA's shared memory and rank 0 sums them over DSMEM in rank order (two cluster barriers, no global
-round trips).
+(A thread-block cluster reducing the split CTAs' partials over DSMEM was measured slower, 1.1-1.2x, on the H200:
+NOTES.md, session 6.)
 
 M (tokens) is dynamic: one compile per knob set and arch serves every M and every projection shape; tokens
 beyond M and rows beyond N are clamped on load and masked on store. Constraints: K a multiple of bk x split_k,
@@ -32,7 +31,6 @@ beyond M and rows beyond N are clamped on load and masked on store. Constraints:
 Run the numerics check on a GPU: ``pytest -m gpu tests/test_gpu_kernels.py``.
 """
 
-import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -58,16 +56,13 @@ class SplitKConfig(KernelConfig):
     split_k: int = 1  # CTAs over K
     bk: int = 64  # K per pipeline stage
     stages: int = 4  # shared-memory buffers in the ring: stages - 1 tiles in flight
-    cluster: int = 0  # 1: the split_k CTAs of a tile form a thread-block cluster and reduce through DSMEM
 
 
 def smem_bytes(cfg: SplitKConfig) -> int:
     rows = 16 * cfg.m_tiles * cfg.warps_n
     ring = cfg.stages * (rows + cfg.tile_m) * cfg.bk * 2
-    nacc = 4 * cfg.m_tiles * (cfg.tile_m // 8)
-    red = nacc * 32 * cfg.warps_n * (cfg.warps_k - 1) * 4
-    part = nacc * 32 * cfg.warps_n * 4 if cfg.cluster else 0
-    return ring + red + part + 16
+    red = 4 * cfg.m_tiles * (cfg.tile_m // 8) * 32 * cfg.warps_n * (cfg.warps_k - 1) * 4
+    return ring + red + 16
 
 
 def _pow2_ceil(x: int) -> int:
@@ -95,7 +90,6 @@ class SplitKTensorCoreGemm(KernelFamily):
             "split_k": (1, 2, 4, 8, 16),
             "bk": (32, 64, 128),
             "stages": (2, 3, 4, 6, 8),
-            "cluster": (0, 1),
         }
 
     def valid(self, cfg: SplitKConfig, problem: Problem) -> bool:
@@ -106,12 +100,7 @@ class SplitKTensorCoreGemm(KernelFamily):
             and 4 * cfg.m_tiles * cfg.tile_m // 8 <= MAX_ACC
             and smem_bytes(cfg) <= SMEM_BUDGET
             and 16 * cfg.m_tiles * cfg.warps_n <= _pow2_ceil(n)  # no CTA made mostly of clamped rows
-            and (not cfg.cluster or 2 <= cfg.split_k <= 8)  # portable cluster sizes
         )
-
-    def canonical(self, params: dict) -> dict:
-        """Without split-K there is nothing to reduce: the cluster knob is ignored."""
-        return {**params, "cluster": 0} if params.get("split_k") == 1 else params
 
     def default(self, problem: Problem) -> SplitKConfig:
         return self.seeds(problem)[0] if self.seeds(problem) else SplitKConfig()
@@ -131,9 +120,6 @@ class SplitKTensorCoreGemm(KernelFamily):
                         break
                 if self.valid(cfg, problem) and (row_ctas * split >= 264 or split == 16):
                     out.append(cfg)
-                    twin = dataclasses.replace(cfg, cluster=1)  # the same split reduced over DSMEM
-                    if self.valid(twin, problem):
-                        out.append(twin)
                     break
         return list(dict.fromkeys(out))
 
@@ -180,7 +166,7 @@ class SplitKTensorCoreGemm(KernelFamily):
         from cutlass.cute.runtime import from_dlpack
 
         fn = compiled(cfg.m_tiles, cfg.warps_n, cfg.warps_k, cfg.tile_m, cfg.split_k, cfg.bk, cfg.stages,
-                      cfg.cluster, current_arch())
+                      current_arch())
 
         def run(inputs: dict):
             fn(*runtime_args(inputs), cuda.CUstream(torch.cuda.current_stream().cuda_stream))
@@ -200,8 +186,7 @@ class SplitKTensorCoreGemm(KernelFamily):
 
 
 @functools.cache
-def compiled(m_tiles: int, warps_n: int, warps_k: int, tile_m: int, split: int, bk: int, stages: int, cluster: int,
-             arch: str):
+def compiled(m_tiles: int, warps_n: int, warps_k: int, tile_m: int, split: int, bk: int, stages: int, arch: str):
     """Compile once per knob set and arch; M, N and K are dynamic. Never call inside a capture."""
     import os
 
@@ -216,7 +201,7 @@ def compiled(m_tiles: int, warps_n: int, warps_k: int, tile_m: int, split: int, 
     y = make_fake_compact_tensor(BFloat16, (m, n), stride_order=(1, 0), assumed_align=16)
     ws = make_fake_compact_tensor(Float32, (cute.sym_int(), m, n), stride_order=(2, 1, 0), assumed_align=16)
     cnt = make_fake_compact_tensor(Int32, (cute.sym_int(), cute.sym_int()), stride_order=(1, 0), assumed_align=4)
-    kernel = _kernel_class()(m_tiles, warps_n, warps_k, tile_m, split, bk, stages, cluster)
+    kernel = _kernel_class()(m_tiles, warps_n, warps_k, tile_m, split, bk, stages)
     return cute.compile(kernel, x, w, y, ws, cnt, make_fake_stream(), options=f"--gpu-arch {arch}")
 
 
@@ -227,15 +212,13 @@ def _kernel_class():
     import cutlass.cute as cute
     from cuda.bindings import driver as cuda
     from cutlass import BFloat16, Float32, Int32
-    from cutlass._mlir.dialects import llvm, nvvm
 
     VEC = 8
 
     class SplitKTcKernel:
-        def __init__(self, m_tiles, warps_n, warps_k, tile_m, split, bk, stages, cluster):
+        def __init__(self, m_tiles, warps_n, warps_k, tile_m, split, bk, stages):
             self.mt, self.wn, self.wk, self.nt = m_tiles, warps_n, warps_k, tile_m // 8
             self.tm, self.split, self.bk, self.stages = tile_m, split, bk, stages
-            self.cluster = bool(cluster) and split > 1
             self.rows = 16 * m_tiles * warps_n
             self.threads = 32 * warps_n * warps_k
             self.vr = bk // VEC  # 16-byte vectors per row of a stage
@@ -250,11 +233,7 @@ def _kernel_class():
             m = mX.shape[0]
             n = mW.shape[0]
             grid = ((n + self.rows - 1) // self.rows, (m + self.tm - 1) // self.tm, self.split)
-            if cutlass.const_expr(self.cluster):
-                self.kernel(mX, mW, mY, mWs, mCnt).launch(grid=grid, block=(self.threads, 1, 1),
-                                                          cluster=(1, 1, self.split), stream=stream)
-            else:
-                self.kernel(mX, mW, mY, mWs, mCnt).launch(grid=grid, block=(self.threads, 1, 1), stream=stream)
+            self.kernel(mX, mW, mY, mWs, mCnt).launch(grid=grid, block=(self.threads, 1, 1), stream=stream)
 
         @cute.kernel
         def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor, mWs: cute.Tensor, mCnt: cute.Tensor):
@@ -324,27 +303,6 @@ def _kernel_class():
             if cutlass.const_expr(S == 1):
                 if wkk == 0:
                     self._store(acc, mY, wrow0, tok0, g, c, m, n)
-            elif cutlass.const_expr(self.cluster):
-                # the split CTAs of this tile are one cluster (rank = bidz): each leaves its partials in its own
-                # shared memory, rank 0 sums them in rank order over DSMEM (deterministic, no global round trip)
-                part = smem.allocate_tensor(Float32, cute.make_layout((nacc, 32, WN)), 16)
-                if wkk == 0:
-                    for e in cutlass.range_constexpr(nacc):
-                        part[e, lane, wrow] = acc[e]
-                cute.arch.cluster_arrive()
-                cute.arch.cluster_wait()
-                if bidz == 0:
-                    if wkk == 0:
-                        for e in cutlass.range_constexpr(nacc):
-                            acc[e] = Float32(0.0)
-                        for z in cutlass.range_constexpr(S):
-                            for e in cutlass.range_constexpr(nacc):
-                                local = (part.iterator + (e + nacc * (lane + 32 * wrow))).to_llvm_ptr()
-                                peer = nvvm.mapa(llvm.PointerType.get(7), local, Int32(z).ir_value())
-                                acc[e] = acc[e] + Float32(llvm.load(Float32.mlir_type, peer))
-                        self._store(acc, mY, wrow0, tok0, g, c, m, n)
-                cute.arch.cluster_arrive()  # every CTA's partials stay in place until rank 0 has read them
-                cute.arch.cluster_wait()
             else:
                 if wkk == 0:
                     self._store(acc, mWs[bidz, None, None], wrow0, tok0, g, c, m, n)
