@@ -56,10 +56,11 @@ def test_smallm_whole_space_numerics():
 # token tile and split at one stage depth, every m_tiles, bk and stage depth at one layout; on shapes with clamped
 # rows (N = 280, 1000) and clamped tokens (M = 3, 17). Every config runs twice, to check that the split-K
 # counters were reset.
-TC_SAMPLE = sorted({(1, wn, wk, tm, s, 128 if wk == 4 else 64, 3)
-                    for wn, wk, tm, s in itertools.product((1, 2, 4), (1, 2, 4), (8, 64), (1, 4, 16))}
-                   | {(mt, 2, 1, tm, 2, bk, st) for mt, tm, bk, st in itertools.product((1, 2, 4), (8, 32), (32, 64, 128),
-                                                                                         (2, 4, 8))})
+TC_SAMPLE = sorted({(1, wn, wk, tm, s, 128 if wk == 4 else 64, 3, rd)
+                    for wn, wk, tm, s, rd in itertools.product((1, 2, 4), (1, 2, 4), (8, 64), (1, 4, 16), (0, 1))
+                    if not (rd and s == 1)}
+                   | {(mt, 2, 1, tm, 2, bk, st, 0) for mt, tm, bk, st in itertools.product((1, 2, 4), (8, 32),
+                                                                                            (32, 64, 128), (2, 4, 8))})
 
 
 @pytest.mark.parametrize("m,n,k", [(3, 280, 7168), (17, 7168, 768), (64, 1000, 1536)])
@@ -71,8 +72,8 @@ def test_splitk_tc_space_sample_numerics(m, n, k):
     fam = family("gemm.splitk_tc")
     p = Problem("kda.o_proj", "gemm", (("M", m), ("N", n), ("K", k)))
     checked = 0
-    for mt, wn, wk, tm, s, bk, st in TC_SAMPLE:
-        cfg = SplitKConfig(m_tiles=mt, warps_n=wn, warps_k=wk, tile_m=tm, split_k=s, bk=bk, stages=st)
+    for mt, wn, wk, tm, s, bk, st, rd in TC_SAMPLE:
+        cfg = SplitKConfig(m_tiles=mt, warps_n=wn, warps_k=wk, tile_m=tm, split_k=s, bk=bk, stages=st, reduce=rd)
         if tm not in fam.space(p)["tile_m"] or not fam.valid(cfg, p):
             continue
         gen = torch.Generator(device="cuda").manual_seed(checked)
@@ -105,7 +106,8 @@ def test_measurer_runs_the_tensor_core_kernel():
 
     p = Problem("moe.router_latent", "gemm", (("M", 24), ("N", 560), ("K", 7168)))
     before = gemm_splitk_tc.compiled.cache_info().misses
-    params = {"m_tiles": 2, "warps_n": 1, "warps_k": 4, "tile_m": 32, "split_k": 2, "bk": 128, "stages": 4}  # not in TC_SAMPLE
+    params = {"m_tiles": 2, "warps_n": 1, "warps_k": 4, "tile_m": 32, "split_k": 2, "bk": 128, "stages": 4,
+              "reduce": 1}  # not in TC_SAMPLE
     out = GpuBackend().measure(Task(1, p, "gemm.splitk_tc", params, 0, 5))
     assert out.status == "ok" and out.median_us > 0, out
     assert gemm_splitk_tc.compiled.cache_info().misses == before + 1

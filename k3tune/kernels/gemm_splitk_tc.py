@@ -21,8 +21,9 @@ Work split: ``warps_n`` warps own different row tiles; ``warps_k`` warps take di
 stage and are reduced through shared memory in warp order. ``split_k`` CTAs share a row tile: each writes fp32
 partials to a workspace, and the last one to arrive (a per-tile counter) sums the slices in slice order and
 writes bf16 — one launch, deterministic, and that CTA resets the counter so the launch replays in a CUDA graph.
-(A thread-block cluster reducing the split CTAs' partials over DSMEM was measured slower, 1.1-1.2x, on the H200:
-NOTES.md, session 6.)
+With ``reduce = 1`` the CTAs only write their partials and a second kernel sums them in slice order (two launches,
+no fence/atomic chain at the end of the first). (A thread-block cluster reducing the split CTAs' partials over
+DSMEM was measured slower, 1.1-1.2x, on the H200: NOTES.md, session 6.)
 
 M (tokens) is dynamic: one compile per knob set and arch serves every M and every projection shape; tokens
 beyond M and rows beyond N are clamped on load and masked on store. Constraints: K a multiple of bk x split_k,
@@ -31,6 +32,7 @@ beyond M and rows beyond N are clamped on load and masked on store. Constraints:
 Run the numerics check on a GPU: ``pytest -m gpu tests/test_gpu_kernels.py``.
 """
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -56,6 +58,7 @@ class SplitKConfig(KernelConfig):
     split_k: int = 1  # CTAs over K
     bk: int = 64  # K per pipeline stage
     stages: int = 4  # shared-memory buffers in the ring: stages - 1 tiles in flight
+    reduce: int = 0  # split-K partials summed by 0: the tile's last CTA (one launch), 1: a second kernel
 
 
 def smem_bytes(cfg: SplitKConfig) -> int:
@@ -90,6 +93,7 @@ class SplitKTensorCoreGemm(KernelFamily):
             "split_k": (1, 2, 4, 8, 16),
             "bk": (32, 64, 128),
             "stages": (2, 3, 4, 6, 8),
+            "reduce": (0, 1),
         }
 
     def valid(self, cfg: SplitKConfig, problem: Problem) -> bool:
@@ -101,6 +105,10 @@ class SplitKTensorCoreGemm(KernelFamily):
             and smem_bytes(cfg) <= SMEM_BUDGET
             and 16 * cfg.m_tiles * cfg.warps_n <= _pow2_ceil(n)  # no CTA made mostly of clamped rows
         )
+
+    def canonical(self, params: dict) -> dict:
+        """Without split-K there is nothing to reduce: the reduce knob is ignored."""
+        return {**params, "reduce": 0} if params.get("split_k") == 1 else params
 
     def default(self, problem: Problem) -> SplitKConfig:
         return self.seeds(problem)[0] if self.seeds(problem) else SplitKConfig()
@@ -120,6 +128,8 @@ class SplitKTensorCoreGemm(KernelFamily):
                         break
                 if self.valid(cfg, problem) and (row_ctas * split >= 264 or split == 16):
                     out.append(cfg)
+                    if split > 1:  # the same split, summed by a second kernel
+                        out.append(dataclasses.replace(cfg, reduce=1))
                     break
         return list(dict.fromkeys(out))
 
@@ -138,7 +148,7 @@ class SplitKTensorCoreGemm(KernelFamily):
             inflight_bytes_per_cta=(cfg.stages - 1) * rows * cfg.bk * 2,  # W tiles in flight in the ring
             tensor_cores=True,
             ctas_per_sm=max(1, min(16, 2048 // threads, 227 * 1024 // smem_bytes(cfg))),
-            launches=1,
+            launches=2 if cfg.reduce and cfg.split_k > 1 else 1,
             extra_us=0.1 * math.log2(cfg.split_k) + 0.05 * cfg.warps_k,
         )
 
@@ -166,7 +176,7 @@ class SplitKTensorCoreGemm(KernelFamily):
         from cutlass.cute.runtime import from_dlpack
 
         fn = compiled(cfg.m_tiles, cfg.warps_n, cfg.warps_k, cfg.tile_m, cfg.split_k, cfg.bk, cfg.stages,
-                      current_arch())
+                      cfg.reduce, current_arch())
 
         def run(inputs: dict):
             fn(*runtime_args(inputs), cuda.CUstream(torch.cuda.current_stream().cuda_stream))
@@ -186,7 +196,8 @@ class SplitKTensorCoreGemm(KernelFamily):
 
 
 @functools.cache
-def compiled(m_tiles: int, warps_n: int, warps_k: int, tile_m: int, split: int, bk: int, stages: int, arch: str):
+def compiled(m_tiles: int, warps_n: int, warps_k: int, tile_m: int, split: int, bk: int, stages: int, reduce: int,
+             arch: str):
     """Compile once per knob set and arch; M, N and K are dynamic. Never call inside a capture."""
     import os
 
@@ -201,7 +212,7 @@ def compiled(m_tiles: int, warps_n: int, warps_k: int, tile_m: int, split: int, 
     y = make_fake_compact_tensor(BFloat16, (m, n), stride_order=(1, 0), assumed_align=16)
     ws = make_fake_compact_tensor(Float32, (cute.sym_int(), m, n), stride_order=(2, 1, 0), assumed_align=16)
     cnt = make_fake_compact_tensor(Int32, (cute.sym_int(), cute.sym_int()), stride_order=(1, 0), assumed_align=4)
-    kernel = _kernel_class()(m_tiles, warps_n, warps_k, tile_m, split, bk, stages)
+    kernel = _kernel_class()(m_tiles, warps_n, warps_k, tile_m, split, bk, stages, reduce)
     return cute.compile(kernel, x, w, y, ws, cnt, make_fake_stream(), options=f"--gpu-arch {arch}")
 
 
@@ -216,9 +227,10 @@ def _kernel_class():
     VEC = 8
 
     class SplitKTcKernel:
-        def __init__(self, m_tiles, warps_n, warps_k, tile_m, split, bk, stages):
+        def __init__(self, m_tiles, warps_n, warps_k, tile_m, split, bk, stages, reduce):
             self.mt, self.wn, self.wk, self.nt = m_tiles, warps_n, warps_k, tile_m // 8
             self.tm, self.split, self.bk, self.stages = tile_m, split, bk, stages
+            self.second = bool(reduce) and split > 1  # partials summed by a second kernel
             self.rows = 16 * m_tiles * warps_n
             self.threads = 32 * warps_n * warps_k
             self.vr = bk // VEC  # 16-byte vectors per row of a stage
@@ -234,6 +246,9 @@ def _kernel_class():
             n = mW.shape[0]
             grid = ((n + self.rows - 1) // self.rows, (m + self.tm - 1) // self.tm, self.split)
             self.kernel(mX, mW, mY, mWs, mCnt).launch(grid=grid, block=(self.threads, 1, 1), stream=stream)
+            if cutlass.const_expr(self.second):
+                total = m * n
+                self.reduce(mWs, mY).launch(grid=((total + 255) // 256, 1, 1), block=(256, 1, 1), stream=stream)
 
         @cute.kernel
         def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor, mWs: cute.Tensor, mCnt: cute.Tensor):
@@ -303,6 +318,9 @@ def _kernel_class():
             if cutlass.const_expr(S == 1):
                 if wkk == 0:
                     self._store(acc, mY, wrow0, tok0, g, c, m, n)
+            elif cutlass.const_expr(self.second):
+                if wkk == 0:
+                    self._store(acc, mWs[bidz, None, None], wrow0, tok0, g, c, m, n)
             else:
                 if wkk == 0:
                     self._store(acc, mWs[bidz, None, None], wrow0, tok0, g, c, m, n)
@@ -324,6 +342,22 @@ def _kernel_class():
                         self._store(acc, mY, wrow0, tok0, g, c, m, n)
                     if tidx == 0:
                         mCnt[bidx, bidy] = Int32(0)
+
+        @cute.kernel
+        def reduce(self, mWs: cute.Tensor, mY: cute.Tensor):
+            """The slices' partials summed in slice order (deterministic), one output element per thread."""
+            tidx, _, _ = cute.arch.thread_idx()
+            bidx, _, _ = cute.arch.block_idx()
+            m = mY.shape[0]
+            n = mY.shape[1]
+            idx = bidx * 256 + tidx
+            if idx < m * n:
+                t = idx // n
+                r = idx % n
+                acc = Float32(0.0)
+                for z in cutlass.range_constexpr(self.split):
+                    acc = acc + mWs[z, t, r]
+                mY[t, r] = acc.to(BFloat16)
 
         @cute.jit
         def _vec(self, ptr):
