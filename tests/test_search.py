@@ -80,8 +80,11 @@ def test_tpe_samples_its_next_candidate_while_the_current_one_is_measured():
     the compile farm), and that is exactly the candidate handed out after the current result arrives."""
     p = Problem("kda.qkvg_proj", "gemm", (("M", 8), ("N", 6144), ("K", 7168)))
     backend = SimulatedBackend(GB300, seed=0)
-    s = ProblemSearch(p, families_for(p, "simulated"), spec.SearchSettings(budget=12, patience=99), seed=3)
-    seeds, ahead_seen, n, ahead = len(s.queue), 0, 0, None
+    seeds = len(ProblemSearch(p, families_for(p, "simulated"), spec.SearchSettings(budget=1), seed=3).queue)
+    tpe_steps = 10  # past however many seeds the families declare
+    s = ProblemSearch(p, families_for(p, "simulated"), spec.SearchSettings(budget=seeds + tpe_steps, patience=99),
+                      seed=3)
+    ahead_seen, n, ahead = 0, 0, None
     while not s.finished:
         cand = s.next()
         if cand is None:
@@ -93,7 +96,7 @@ def test_tpe_samples_its_next_candidate_while_the_current_one_is_measured():
         assert ahead is None or (ahead.family, ahead.key) != (cand.family, cand.key)
         s.tell(cand, "ok", backend.measure(Task(0, p, cand.family, cand.params, cand.round, 9)).median_us, 0.01)
         n += 1
-    assert ahead_seen >= 12 - seeds - 2, "TPE steps past the seeds were sampled one ahead"
+    assert ahead_seen >= tpe_steps - 2, "TPE steps past the seeds were sampled one ahead"
 
 
 def test_a_winner_of_an_older_kernel_version_warm_starts_the_search():

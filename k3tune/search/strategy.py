@@ -29,6 +29,7 @@ from k3tune.plan.spec import SearchSettings
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
+INVALID_US = 1e9  # what TPE is told for a sampled config its family declares invalid
 GAIN = 0.01  # an improvement smaller than this does not reset early stopping
 REMEASURE_SAMPLE_FACTOR = 2
 
@@ -167,7 +168,9 @@ class ProblemSearch:
             cfg = fam.config_cls(**params)
             key = params_key(params)
             if not fam.valid(cfg, self.problem):
-                self.study.tell(trial, None, state=TrialState.FAIL)
+                # told as a very slow result, not a failure: TPE ignores failed trials, so a region of coupled knobs
+                # that no config satisfies (e.g. bk = 32 with two K warps) would be sampled again and again
+                self.study.tell(trial, INVALID_US, state=TrialState.COMPLETE)
                 continue
             done = self.results.get((fam.name, key, 0))
             if done is not None or (fam.name, key, 0) in self.in_flight:
