@@ -52,6 +52,19 @@ def inductor_run(problem):
     return lambda inputs: fn(inputs["x"], inputs["w"])
 
 
+def profile_once(step, name: str) -> None:
+    """For Nsight Compute: ``step()`` once to warm up (compile, caches), then once in NVTX ranges profile > name
+    (``ncu --nvtx --nvtx-include profile/ --print-nvtx-rename kernel`` catches exactly those launches)."""
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.nvtx.range_push("profile")
+    torch.cuda.nvtx.range_push(name)
+    step()
+    torch.cuda.nvtx.range_pop()
+    torch.cuda.nvtx.range_pop()
+    torch.cuda.synchronize()
+
+
 def measure(run, fam, problem, samples: int) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(1234)
     inputs = fam.make_inputs(problem, torch.device("cuda"), gen)

@@ -26,7 +26,7 @@ import statistics
 from pathlib import Path
 
 import torch
-from gemm import copy_bandwidth  # bench/gemm.py
+from gemm import copy_bandwidth, profile_once  # bench/gemm.py
 
 from k3tune.kernels import moe_experts, moe_experts_tc, mxfp4
 from k3tune.kernels.moe_experts import ExpertKernelConfig, Groups
@@ -89,14 +89,7 @@ def main() -> None:
                 for name, fmt, v in variants:
                     if args.profile:
                         step = _step(layers, fmt, v, y, x, top, norm, sh, batch)
-                        step(None)
-                        torch.cuda.synchronize()
-                        torch.cuda.nvtx.range_push("profile")
-                        torch.cuda.nvtx.range_push(name)
-                        step(None)
-                        torch.cuda.nvtx.range_pop()
-                        torch.cuda.nvtx.range_pop()
-                        torch.cuda.synchronize()
+                        profile_once(lambda: step(None), name)
                         continue
                     try:
                         t = time_graph(_step(layers, fmt, v, y, x, top, norm, sh, batch), [{}], args.samples)

@@ -16,7 +16,7 @@ import itertools
 import json
 
 import torch
-from gemm import copy_bandwidth, measure  # bench/gemm.py (this script runs from bench/)
+from gemm import copy_bandwidth, measure, profile_once  # bench/gemm.py (this script runs from bench/)
 
 from k3tune.errors import CannotImplement
 from k3tune.kernels import family
@@ -50,26 +50,16 @@ def main() -> None:
         floor = (p["N"] * p["K"] + m * p["K"] + m * p["N"]) * 2 / bw * 1e6
         if args.profile:
             profile(cublas, p, cublas.default_config(p), f"tp{tp}/{op}/M{m}/cublas")
-            for values in itertools.product(*grid.values()):
-                params = {**fam.default_config(p).params(), **dict(zip(grid, values))}
-                try:
-                    cfg = fam.config_from_params(p, params)
-                except CannotImplement:
-                    continue
-                profile(fam, p, cfg, f"tp{tp}/{op}/M{m}/{fam.name}/{json.dumps(dict(zip(grid, values)))}")
+            for knobs, _, cfg in configs(fam, p, grid):
+                profile(fam, p, cfg, f"tp{tp}/{op}/M{m}/{fam.name}/{json.dumps(knobs)}")
             continue
         base = measure(cublas.build(p, cublas.default_config(p)), cublas, p, args.samples)
         best = None
-        for values in itertools.product(*grid.values()):
-            params = {**fam.default_config(p).params(), **dict(zip(grid, values))}
-            try:
-                cfg = fam.config_from_params(p, params)
-            except CannotImplement:
-                continue
+        for knobs, params, cfg in configs(fam, p, grid):
             r = measure(fam.build(p, cfg), fam, p, args.samples)
             ok = r["err"] < fam.tolerance(p)
             tag = "" if ok else f" WRONG err={r['err']:.3g}"
-            print(f"  tp{tp} {op:18} M={m:<3} {json.dumps(dict(zip(grid, values)))} {r['us']:7.2f} (±{r['iqr']:.2f})"
+            print(f"  tp{tp} {op:18} M={m:<3} {json.dumps(knobs)} {r['us']:7.2f} (±{r['iqr']:.2f})"
                   f" roof {floor / r['us']:.2f}{tag}", flush=True)
             if ok and (best is None or r["us"] < best[0]["us"]):
                 best = (r, params)
@@ -79,19 +69,22 @@ def main() -> None:
                   flush=True)
 
 
+def configs(fam, problem, grid: dict):
+    """(the grid's knobs, full params, config) for every grid point the family can implement; knobs missing from
+    the grid keep the family's default for the problem."""
+    for values in itertools.product(*grid.values()):
+        knobs = dict(zip(grid, values))
+        params = {**fam.default_config(problem).params(), **knobs}
+        try:
+            yield knobs, params, fam.config_from_params(problem, params)
+        except CannotImplement:
+            continue
+
+
 def profile(fam, problem, cfg, name: str) -> None:
-    """One eager launch in an NVTX range (after a warm-up launch that compiles and checks it)."""
-    gen = torch.Generator(device="cuda").manual_seed(1234)
-    inputs = fam.make_inputs(problem, torch.device("cuda"), gen)
+    inputs = fam.make_inputs(problem, torch.device("cuda"), torch.Generator(device="cuda").manual_seed(1234))
     run = fam.build(problem, cfg)
-    run(inputs)
-    torch.cuda.synchronize()
-    torch.cuda.nvtx.range_push("profile")
-    torch.cuda.nvtx.range_push(name)
-    run(inputs)
-    torch.cuda.nvtx.range_pop()
-    torch.cuda.nvtx.range_pop()
-    torch.cuda.synchronize()
+    profile_once(lambda: run(inputs), name)
     print(f"profiled {name}", flush=True)
 
 
