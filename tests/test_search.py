@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 from sqlalchemy import func, select
 
 from k3tune.kernels import families_for, family
@@ -97,6 +98,25 @@ def test_tpe_samples_its_next_candidate_while_the_current_one_is_measured():
         s.tell(cand, "ok", backend.measure(Task(0, p, cand.family, cand.params, cand.round, 9)).median_us, 0.01)
         n += 1
     assert ahead_seen >= tpe_steps - 2, "TPE steps past the seeds were sampled one ahead"
+
+
+@pytest.mark.parametrize("problem", [
+    Problem("kda.qkvg_proj", "gemm", (("M", 16), ("N", 3072), ("K", 7168))),
+    Problem("moe.block", "moe_block", (("tp", 16), ("M", 64), ("experts", 896), ("top_k", 16), ("latent", 3584),
+                                       ("inter", 192), ("shared_inter", 384), ("hidden", 7168), ("format", "bf16"),
+                                       ("routing", "zipf:1.2")))])
+def test_tpe_spends_its_budget_despite_invalid_regions(problem):
+    """Coupled knobs leave regions where no config is valid (bk = 32 with two K warps; MXFP4 or serial corners of
+    the block). TPE must learn to avoid them: told as failures, they were sampled again and again until the asks
+    ran out, and these searches ended far short of their budget (seen on the H200 sweeps of session 6)."""
+    backend = SimulatedBackend(hardware.spec("h200"), seed=0)
+    s = ProblemSearch(problem, families_for(problem, "simulated"), spec.SearchSettings(budget=30, patience=99), seed=1)
+    while not s.finished:
+        cand = s.next()
+        if cand is None:
+            break
+        s.tell(cand, "ok", backend.measure(Task(0, problem, cand.family, cand.params, cand.round, 9)).median_us, 0.01)
+    assert s.measured >= 30
 
 
 def test_a_winner_of_an_older_kernel_version_warm_starts_the_search():
