@@ -1,6 +1,8 @@
 """Debug one gemm.splitk_tc config on the GPU: run it once (for compute-sanitizer) and dump its SASS.
 
-    python bench/tc_debug.py M N K m_tiles,warps_n,warps_k,tile_m,split_k,bk,stages [sass_out]
+    python bench/tc_debug.py M N K m_tiles,warps_n,warps_k,tile_m,split_k,bk,stages[,...] [sass_out]
+
+The knobs are SplitKConfig's fields in order (trailing ones may be left at their defaults).
 """
 import subprocess
 import sys
@@ -17,7 +19,7 @@ fam = family("gemm.splitk_tc")
 p = Problem("kda.o_proj", "gemm", (("M", m), ("N", n), ("K", k)))
 cfg = SplitKConfig(*knobs)
 if len(sys.argv) > 5:
-    fn = gemm_splitk_tc.compiled(*knobs, gemm_splitk_tc.current_arch())
+    fn = gemm_splitk_tc.compiled(*cfg.params().values(), gemm_splitk_tc.current_arch())
     data = fn.dump_to_object("dbg")
     idx = [i for i in range(len(data)) if data.startswith(b"\x7fELF", i)]
     for j, i in enumerate(idx[1:]):
