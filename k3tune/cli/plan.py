@@ -8,8 +8,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from k3tune.cli.common import ConfigOption, JsonOption, SpecOption, console, print_json
-from k3tune.kernels import families_for
-from k3tune.kernels.base import ENUMERATE_LIMIT
+from k3tune.kernels import count_configs, families_for
 from k3tune.plan import model as models, problems as plans, spec as specs
 
 # rough cost of one trial, for the estimate: simulated trials are bookkeeping; GPU trials compile, check and
@@ -26,8 +25,7 @@ def estimate(plan: plans.Plan, backend: str) -> dict:
         if not fams:
             continue
         tunable += 1
-        declared = sum(f.space_size(p) for f in fams)  # a block's joint space is counted, never listed
-        size = declared if declared > ENUMERATE_LIMIT else sum(f.config_count(p) for f in fams)
+        size = count_configs(p, fams)  # a block's joint space is counted, never listed
         trials += min(size, s.budget) + min(size, s.remeasure_top)
     return {"problems": tunable, "trials": trials, "seconds_one_worker": round(trials * SECONDS_PER_TRIAL[backend], 1)}
 

@@ -8,7 +8,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from k3tune.errors import ConfigError
 from k3tune.kernels.allreduce import TpAllReduce
-from k3tune.kernels.base import BACKENDS, KernelConfig, KernelFamily, Work, params_key
+from k3tune.kernels.base import BACKENDS, KernelConfig, KernelFamily, Work, count_configs, params_key
 from k3tune.kernels.cpu_double import CpuGemm
 from k3tune.kernels.gemm_cublas import CublasGemm
 from k3tune.kernels.gemm_smallm import SmallMGemm
@@ -18,7 +18,8 @@ from k3tune.kernels.mla_decode import MlaSplitKv, MlaTorch
 from k3tune.kernels.moe_block import MoeOverlap, MoeStock
 from k3tune.plan.problems import OPS, Problem
 
-__all__ = ["FAMILIES", "KernelConfig", "KernelFamily", "Work", "family", "families_for", "op_digest", "params_key", "safe_default"]
+__all__ = ["FAMILIES", "KernelConfig", "KernelFamily", "Work", "count_configs", "family", "families_for", "op_digest",
+           "params_key", "safe_default"]
 
 FAMILIES: dict[str, KernelFamily] = {
     f.name: f

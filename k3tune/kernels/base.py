@@ -119,7 +119,7 @@ class KernelFamily:
         return cache[problem]
 
     def space_size(self, problem: Problem) -> int:
-        return math.prod(len(v) for v in self.space(problem).values()) if self.space(problem) else 1
+        return math.prod(len(v) for v in self.cached_space(problem).values())
 
     def canonical(self, params: dict[str, Any]) -> dict[str, Any]:
         """The same kernel's params with the knobs it ignores set to fixed values, so that a search never
@@ -178,3 +178,10 @@ class KernelFamily:
         src = inspect.getsource(inspect.getmodule(type(self)))
         src += "".join(inspect.getsource(importlib.import_module(m)) for m in self.depends_on)
         return hashlib.sha256(src.encode()).hexdigest()[:16]
+
+
+def count_configs(problem: Problem, families: list[KernelFamily]) -> int:
+    """Valid configs over the families, enumerated only where the declared spaces are small enough to list; a
+    larger declared space is counted, never listed (a block's joint space runs to billions of points)."""
+    declared = sum(f.space_size(problem) for f in families)
+    return sum(f.config_count(problem) for f in families) if declared <= ENUMERATE_LIMIT else declared

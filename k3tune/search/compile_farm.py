@@ -75,13 +75,13 @@ class CompileFarm:
         ``warm_for(problem)``, a small space whole), queued now in the given order, so that the farm compiles
         ahead of the workers instead of racing them for the problem they have just opened. Returns how many."""
         from k3tune.kernels import families_for
-        from k3tune.search.strategy import ProblemSearch
+        from k3tune.search.strategy import known_candidates
 
         n = 0
         for p in problems if self.pool is not None else ():
             fams = families_for(p, backend)
             if any(f.name in FARMED for f in fams):
-                for cand in ProblemSearch(p, fams, settings, seed=0, warm=warm_for(p)).queue:
+                for cand in known_candidates(p, fams, settings, warm_for(p)):
                     n += self.submit(p, cand.family, cand.params)
         return n
 

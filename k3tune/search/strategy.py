@@ -22,8 +22,7 @@ from optuna.distributions import CategoricalDistribution
 from optuna.trial import TrialState, create_trial
 
 from k3tune.errors import CannotImplement
-from k3tune.kernels import KernelConfig, KernelFamily, params_key
-from k3tune.kernels.base import ENUMERATE_LIMIT
+from k3tune.kernels import KernelFamily, count_configs, params_key
 from k3tune.plan.problems import Problem
 from k3tune.plan.spec import SearchSettings
 
@@ -61,10 +60,33 @@ class Decision:
     trials: int
 
 
-def _flat(fam: KernelFamily, cfg: KernelConfig) -> dict:
-    return {"family": fam.name, **{f"{fam.name}:{k}": v for k, v in cfg.params().items()}}
-
-
+def known_candidates(problem: Problem, families: list[KernelFamily], settings: SearchSettings,
+                     warm: list[tuple[str, dict]] = ()) -> list[Candidate]:
+    """What a search measures before TPE, in order, known before anything is measured: every family's default,
+    its seeds, the winners of neighbouring problems (adapted), and the whole space when it fits the budget."""
+    fams = {f.name: f for f in families}
+    seeds = [(f, f.default_config(problem)) for f in families]
+    seeds += [(f, c) for f in families for c in f.seeds(problem)]
+    for fam_name, params in warm:
+        if fam_name in fams:
+            f = fams[fam_name]
+            space, base = f.cached_space(problem), f.default_config(problem).params()
+            # a winner of an older kernel version may lack knobs added since (they take the default's
+            # value) or hold a value no longer declared (likewise): it is a suggestion, re-measured
+            adapted = {k: params[k] if params.get(k) in space[k] else base[k] for k in space}
+            try:
+                seeds.append((f, f.config_from_params(problem, adapted)))
+            except CannotImplement:
+                pass  # a neighbour's winner may not fit this problem
+    if count_configs(problem, families) <= settings.budget:  # listed only when the search will measure them all
+        seeds += [(f, c) for f in families for c in f.configs(problem)]
+    queue, seen = [], set()
+    for f, c in seeds:
+        cand = Candidate(f.name, c.params(), params_key(c.params()), 0)
+        if (cand.family, cand.key) not in seen and f.valid(c, problem):
+            seen.add((cand.family, cand.key))
+            queue.append(cand)
+    return queue
 
 
 @dataclass
@@ -83,16 +105,9 @@ class ProblemSearch:
         self.in_flight: set[tuple[str, str, int]] = set()
         self._dispatched: list[tuple[str, str, int]] = []  # handed out, not yet absorbed, in order
         self._arrived: dict[tuple[str, str, int], tuple] = {}  # results waiting for an earlier one
-        self.space = {f.name: f.space(self.problem) for f in self.families}
-        # enumerate (and filter by validity) only spaces small enough to be searched exhaustively; a larger
-        # declared space is counted, never listed (a block's joint space runs to billions of points)
-        declared = sum(math.prod(len(v) for v in sp.values()) for sp in self.space.values())
-        self.n_configs = (sum(f.config_count(self.problem) for f in self.families) if declared <= ENUMERATE_LIMIT
-                          else declared)
+        self.space = {f.name: f.cached_space(self.problem) for f in self.families}
+        self.n_configs = count_configs(self.problem, self.families)
         self.exhaustive = self.n_configs <= self.settings.budget
-        # listed only when the search will measure them all
-        self.all_configs = [(f, c) for f in self.families for c in f.configs(self.problem)] if self.exhaustive else []
-        self.queue: list[Candidate] = []
         self.asks = 0
         self.best = math.inf
         self.since_gain = 0
@@ -113,26 +128,7 @@ class ProblemSearch:
                 self.refused.append(f"{self.problem.key} {t.family} {t.params_key}: {e}")
                 continue
             self._absorb(Candidate(t.family, t.params, t.params_key, t.round), t.status.value, t.median_us, t.spread_us)
-        seeds = [(f, f.default_config(self.problem)) for f in self.families]
-        seeds += [(f, c) for f in self.families for c in f.seeds(self.problem)]
-        for fam_name, params in self.warm:
-            if fam_name in self.fams:
-                f = self.fams[fam_name]
-                space, base = f.cached_space(self.problem), f.default_config(self.problem).params()
-                # a winner of an older kernel version may lack knobs added since (they take the default's
-                # value) or hold a value no longer declared (likewise): it is a suggestion, re-measured
-                adapted = {k: params[k] if params.get(k) in space[k] else base[k] for k in space}
-                try:
-                    seeds.append((f, f.config_from_params(self.problem, adapted)))
-                except CannotImplement:
-                    pass  # a neighbour's winner may not fit this problem
-        order = seeds + self.all_configs
-        seen = set()
-        for f, c in order:
-            cand = Candidate(f.name, c.params(), params_key(c.params()), 0)
-            if (cand.family, cand.key) not in seen and f.valid(c, self.problem):
-                seen.add((cand.family, cand.key))
-                self.queue.append(cand)
+        self.queue = known_candidates(self.problem, self.families, self.settings, self.warm)
 
     # ---- bookkeeping --------------------------------------------------------------------------
     @property
