@@ -56,11 +56,11 @@ def test_smallm_whole_space_numerics():
 # token tile and split at one stage depth, every m_tiles, bk and stage depth at one layout; on shapes with clamped
 # rows (N = 280, 1000) and clamped tokens (M = 3, 17). Every config runs twice, to check that the split-K
 # counters were reset.
-TC_SAMPLE = sorted({(1, wn, wk, tm, s, 128 if wk == 4 else 64, 3, rd)
+TC_SAMPLE = sorted({(1, wn, wk, tm, s, 128 if wk == 4 else 64, 3, rd, rd)
                     for wn, wk, tm, s, rd in itertools.product((1, 2, 4), (1, 2, 4), (8, 64), (1, 4, 16), (0, 1))
                     if not (rd and s == 1)}
-                   | {(mt, 2, 1, tm, 2, bk, st, 0) for mt, tm, bk, st in itertools.product((1, 2, 4), (8, 32),
-                                                                                            (32, 64, 128), (2, 4, 8))})
+                   | {(mt, 2, 1, tm, 2, bk, st, 0, 0) for mt, tm, bk, st in itertools.product((1, 2, 4), (8, 32),
+                                                                                               (32, 64, 128), (2, 4, 8))})
 
 
 @pytest.mark.parametrize("m,n,k", [(3, 280, 7168), (17, 7168, 768), (64, 1000, 1536)])
@@ -72,8 +72,9 @@ def test_splitk_tc_space_sample_numerics(m, n, k):
     fam = family("gemm.splitk_tc")
     p = Problem("kda.o_proj", "gemm", (("M", m), ("N", n), ("K", k)))
     checked = 0
-    for mt, wn, wk, tm, s, bk, st, rd in TC_SAMPLE:
-        cfg = SplitKConfig(m_tiles=mt, warps_n=wn, warps_k=wk, tile_m=tm, split_k=s, bk=bk, stages=st, reduce=rd)
+    for mt, wn, wk, tm, s, bk, st, rd, pdl in TC_SAMPLE:
+        cfg = SplitKConfig(m_tiles=mt, warps_n=wn, warps_k=wk, tile_m=tm, split_k=s, bk=bk, stages=st, reduce=rd,
+                           pdl=pdl)
         if tm not in fam.space(p)["tile_m"] or not fam.valid(cfg, p):
             continue
         gen = torch.Generator(device="cuda").manual_seed(checked)
@@ -87,6 +88,51 @@ def test_splitk_tc_space_sample_numerics(m, n, k):
         assert int(inputs["counters"].abs().sum()) == 0, cfg  # the last CTA of every tile reset its counter
         checked += 1
     assert checked >= 20
+
+
+@pytest.mark.parametrize("reduce,split", [(0, 1), (0, 4), (1, 4)])
+def test_splitk_tc_pdl_chain(reduce, split):
+    """Programmatic dependent launch: y1 = x W1^T, then y2 = y1 W2^T on the same stream, both launched with PDL (the
+    second starts while the first finishes and must wait for y1), eagerly and replayed in a CUDA graph; and the
+    same chain twice in a row (each launch rewrites the buffers the previous one read)."""
+    import torch
+
+    from k3tune.kernels.gemm_splitk_tc import SplitKConfig
+
+    fam = family("gemm.splitk_tc")
+    m, n1, k1, n2 = 5, 1024, 7168, 7168
+    p1 = Problem("kda.o_proj", "gemm", (("M", m), ("N", n1), ("K", k1)))
+    p2 = Problem("kda.o_proj", "gemm", (("M", m), ("N", n2), ("K", n1)))
+    cfg = SplitKConfig(m_tiles=1, warps_n=4, warps_k=1, tile_m=8, split_k=split, bk=64, stages=4, reduce=reduce, pdl=1)
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    a = fam.make_inputs(p1, torch.device("cuda"), gen)
+    b = fam.make_inputs(p2, torch.device("cuda"), gen)
+    b["x"] = a["out"]  # the second GEMM reads what the first writes
+    r1, r2 = fam.build(p1, cfg), fam.build(p2, cfg)
+
+    def chain():
+        r1(a)
+        r2(b)
+
+    for replay in ("eager", "graph"):
+        a["out"].fill_(float("nan"))
+        b["out"].fill_(float("nan"))
+        if replay == "eager":
+            chain()
+            chain()
+        else:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                chain()
+                chain()
+            a["out"].fill_(float("nan"))
+            b["out"].fill_(float("nan"))
+            g.replay()
+        torch.cuda.synchronize()
+        ref1 = fam.reference(p1, a)
+        assert relative_error(a["out"], ref1) < fam.tolerance(p1), replay
+        ref2 = a["out"].float() @ b["w"].float().t()  # from the y1 the first kernel wrote
+        assert relative_error(b["out"], ref2) < fam.tolerance(p2), replay
 
 
 def test_measurer_runs_the_requested_kernel():

@@ -35,11 +35,12 @@ def test_smallm_compiles(arch):
 
 
 # the tensor-core kernel: every value of every knob, one knob at a time from a base, and two corners
-BASE_TC = {"m_tiles": 1, "warps_n": 4, "warps_k": 1, "tile_m": 8, "split_k": 4, "bk": 128, "stages": 4, "reduce": 0}
+BASE_TC = {"m_tiles": 1, "warps_n": 4, "warps_k": 1, "tile_m": 8, "split_k": 4, "bk": 128, "stages": 4, "reduce": 0, "pdl": 0}
 TC_VALUES = {"m_tiles": (1, 2, 4), "warps_n": (1, 2, 4), "warps_k": (1, 2, 4), "tile_m": (8, 16, 32, 64),
-             "split_k": (1, 2, 4, 8, 16), "bk": (32, 64, 128), "stages": (2, 3, 4, 6, 8), "reduce": (0, 1)}
+             "split_k": (1, 2, 4, 8, 16), "bk": (32, 64, 128), "stages": (2, 3, 4, 6, 8), "reduce": (0, 1),
+             "pdl": (0, 1)}
 TC_SAMPLE = sorted({tuple({**BASE_TC, knob: v}.values()) for knob, vals in TC_VALUES.items() for v in vals}
-                   | {(4, 1, 1, 64, 1, 32, 2, 0), (2, 2, 2, 32, 8, 64, 3, 1)})
+                   | {(4, 1, 1, 64, 1, 32, 2, 0, 1), (2, 2, 2, 32, 8, 64, 3, 1, 1)})
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])

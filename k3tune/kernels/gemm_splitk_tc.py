@@ -21,6 +21,11 @@ Work split: ``warps_n`` warps own different row tiles; ``warps_k`` warps take di
 stage and are reduced through shared memory in warp order. ``split_k`` CTAs share a row tile: each writes fp32
 partials to a workspace, and the last one to arrive (a per-tile counter) sums the slices in slice order and
 writes bf16 — one launch, deterministic, and that CTA resets the counter so the launch replays in a CUDA graph.
+With ``pdl = 1`` the launches allow programmatic dependent launch: a kernel starts while the one before it in the
+stream finishes (if that one triggers, as these do at their start), loads its first W stages (they depend on no
+kernel), and waits for the previous grid before it touches x, the output, the workspace or the counters. A
+predecessor that never triggers makes it an ordinary launch. Its gain is real only in a chain of such kernels
+(bench/gemm.py reports the tuned time with PDL off beside it).
 With ``reduce = 1`` the CTAs only write their partials and a second kernel sums them in slice order (two launches,
 no fence/atomic chain at the end of the first). (A thread-block cluster reducing the split CTAs' partials over
 DSMEM was measured slower, 1.1-1.2x, on the H200: NOTES.md, session 6.)
@@ -59,6 +64,7 @@ class SplitKConfig(KernelConfig):
     bk: int = 64  # K per pipeline stage
     stages: int = 4  # shared-memory buffers in the ring: stages - 1 tiles in flight
     reduce: int = 0  # split-K partials summed by 0: the tile's last CTA (one launch), 1: a second kernel
+    pdl: int = 0  # 1: programmatic dependent launch: the first stages of W load while the previous kernel finishes
 
 
 def smem_bytes(cfg: SplitKConfig) -> int:
@@ -94,6 +100,7 @@ class SplitKTensorCoreGemm(KernelFamily):
             "bk": (32, 64, 128),
             "stages": (2, 3, 4, 6, 8),
             "reduce": (0, 1),
+            "pdl": (0, 1),
         }
 
     def valid(self, cfg: SplitKConfig, problem: Problem) -> bool:
@@ -131,6 +138,8 @@ class SplitKTensorCoreGemm(KernelFamily):
                     if split > 1:  # the same split, summed by a second kernel
                         out.append(dataclasses.replace(cfg, reduce=1))
                     break
+        if out:  # the first layout again with programmatic dependent launch
+            out.append(dataclasses.replace(out[0], pdl=1))
         return list(dict.fromkeys(out))
 
     def work(self, problem: Problem, cfg: SplitKConfig) -> Work:
@@ -176,7 +185,7 @@ class SplitKTensorCoreGemm(KernelFamily):
         from cutlass.cute.runtime import from_dlpack
 
         fn = compiled(cfg.m_tiles, cfg.warps_n, cfg.warps_k, cfg.tile_m, cfg.split_k, cfg.bk, cfg.stages,
-                      cfg.reduce, current_arch())
+                      cfg.reduce, cfg.pdl, current_arch())
 
         def run(inputs: dict):
             fn(*runtime_args(inputs), cuda.CUstream(torch.cuda.current_stream().cuda_stream))
@@ -197,7 +206,7 @@ class SplitKTensorCoreGemm(KernelFamily):
 
 @functools.cache
 def compiled(m_tiles: int, warps_n: int, warps_k: int, tile_m: int, split: int, bk: int, stages: int, reduce: int,
-             arch: str):
+             pdl: int, arch: str):
     """Compile once per knob set and arch; M, N and K are dynamic. Never call inside a capture."""
     import os
 
@@ -212,7 +221,7 @@ def compiled(m_tiles: int, warps_n: int, warps_k: int, tile_m: int, split: int, 
     y = make_fake_compact_tensor(BFloat16, (m, n), stride_order=(1, 0), assumed_align=16)
     ws = make_fake_compact_tensor(Float32, (cute.sym_int(), m, n), stride_order=(2, 1, 0), assumed_align=16)
     cnt = make_fake_compact_tensor(Int32, (cute.sym_int(), cute.sym_int()), stride_order=(1, 0), assumed_align=4)
-    kernel = _kernel_class()(m_tiles, warps_n, warps_k, tile_m, split, bk, stages, reduce)
+    kernel = _kernel_class()(m_tiles, warps_n, warps_k, tile_m, split, bk, stages, reduce, pdl)
     return cute.compile(kernel, x, w, y, ws, cnt, make_fake_stream(), options=f"--gpu-arch {arch}")
 
 
@@ -227,10 +236,11 @@ def _kernel_class():
     VEC = 8
 
     class SplitKTcKernel:
-        def __init__(self, m_tiles, warps_n, warps_k, tile_m, split, bk, stages, reduce):
+        def __init__(self, m_tiles, warps_n, warps_k, tile_m, split, bk, stages, reduce, pdl):
             self.mt, self.wn, self.wk, self.nt = m_tiles, warps_n, warps_k, tile_m // 8
             self.tm, self.split, self.bk, self.stages = tile_m, split, bk, stages
             self.second = bool(reduce) and split > 1  # partials summed by a second kernel
+            self.pdl = bool(pdl)
             self.rows = 16 * m_tiles * warps_n
             self.threads = 32 * warps_n * warps_k
             self.vr = bk // VEC  # 16-byte vectors per row of a stage
@@ -245,10 +255,12 @@ def _kernel_class():
             m = mX.shape[0]
             n = mW.shape[0]
             grid = ((n + self.rows - 1) // self.rows, (m + self.tm - 1) // self.tm, self.split)
-            self.kernel(mX, mW, mY, mWs, mCnt).launch(grid=grid, block=(self.threads, 1, 1), stream=stream)
+            self.kernel(mX, mW, mY, mWs, mCnt).launch(grid=grid, block=(self.threads, 1, 1), stream=stream,
+                                                      use_pdl=self.pdl)
             if cutlass.const_expr(self.second):
                 total = m * n
-                self.reduce(mWs, mY).launch(grid=((total + 255) // 256, 1, 1), block=(256, 1, 1), stream=stream)
+                self.reduce(mWs, mY).launch(grid=((total + 255) // 256, 1, 1), block=(256, 1, 1), stream=stream,
+                                            use_pdl=self.pdl)
 
         @cute.kernel
         def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor, mWs: cute.Tensor, mCnt: cute.Tensor):
@@ -287,17 +299,27 @@ def _kernel_class():
             fa = cute.make_rmem_tensor(cute.make_layout((8, MT)), BFloat16)  # MMA operand order (PTX a0..a7)
             fb = cute.make_rmem_tensor(cute.make_layout((4, NT)), BFloat16)
 
-            # prologue: the first P - 1 stages in flight (one commit group per stage, empty past the slice)
+            # prologue: the first P - 1 stages in flight. W first (it depends on no kernel: with PDL it loads while
+            # the previous kernel finishes), then, once the previous grid is complete, x stage by stage: one commit
+            # group per stage (the first also holds every prologue W tile; empty groups past the slice)
+            if cutlass.const_expr(self.pdl):
+                cute.arch.griddepcontrol_launch_dependents()
             for s in cutlass.range_constexpr(P - 1):
                 if s < ktiles:
-                    self._issue(mW, mX, sW, sX, g2s, kt0 + s, s, tidx, row0, tok0, m, n)
+                    self._issue_w(mW, sW, g2s, kt0 + s, s, tidx, row0, n)
+            if cutlass.const_expr(self.pdl):
+                cute.arch.griddepcontrol_wait()  # x, y, the workspace and the counters: only from here on
+            for s in cutlass.range_constexpr(P - 1):
+                if s < ktiles:
+                    self._issue_x(mX, sX, g2s, kt0 + s, s, tidx, tok0, m)
                 cute.arch.cp_async_commit_group()
             for kt in cutlass.range(ktiles):
                 cute.arch.cp_async_wait_group(P - 2)  # this thread's copies of stage kt have landed
                 cute.arch.sync_threads()  # everyone's have; and everyone is done with the slot refilled next
                 nk = kt + P - 1
                 if nk < ktiles:
-                    self._issue(mW, mX, sW, sX, g2s, kt0 + nk, nk % P, tidx, row0, tok0, m, n)
+                    self._issue_w(mW, sW, g2s, kt0 + nk, nk % P, tidx, row0, n)
+                    self._issue_x(mX, sX, g2s, kt0 + nk, nk % P, tidx, tok0, m)
                 cute.arch.cp_async_commit_group()
                 self._compute(sW, sX, s2r, mma, kt % P, wrow, wkk, g, c, rw, rx, fa, fb, acc)
             cute.arch.cp_async_wait_group(0)
@@ -346,6 +368,9 @@ def _kernel_class():
         @cute.kernel
         def reduce(self, mWs: cute.Tensor, mY: cute.Tensor):
             """The slices' partials summed in slice order (deterministic), one output element per thread."""
+            if cutlass.const_expr(self.pdl):
+                cute.arch.griddepcontrol_wait()  # the partials of the grid before (it triggered early)
+                cute.arch.griddepcontrol_launch_dependents()
             tidx, _, _ = cute.arch.thread_idx()
             bidx, _, _ = cute.arch.block_idx()
             m = mY.shape[0]
@@ -364,29 +389,33 @@ def _kernel_class():
             return cute.make_tensor(ptr.align(16), cute.make_layout(VEC))
 
         @cute.jit
-        def _issue(self, mW, mX, sW, sX, g2s, kt, slot, tidx, row0, tok0, m, n):
-            """cp.async of stage ``kt`` (K from kt*bk) into ring slot ``slot``: consecutive threads copy consecutive
-            16-byte vectors of a row (rows past N and tokens past M are clamped: nobody stores them)."""
+        def _issue_w(self, mW, sW, g2s, kt, slot, tidx, row0, n):
+            """cp.async of stage ``kt``'s W tile (K from kt*bk) into ring slot ``slot``: consecutive threads copy
+            consecutive 16-byte vectors of a row (rows past N are clamped: nobody stores them)."""
             VR, T, BK = self.vr, self.threads, self.bk
-            k = mW.shape[1]
             k0 = kt * BK
             for i in cutlass.range_constexpr(self.w_copies):
                 q = tidx + i * T
                 r = q // VR
                 j = q % VR
-                src = mW.iterator + (cutlass.min(row0 + r, n - 1) * k + k0 + j * VEC)
+                src = mW.iterator + (cutlass.min(row0 + r, n - 1) * mW.shape[1] + k0 + j * VEC)
                 dst = sW.iterator + ((slot * self.rows + r) * BK + (j ^ ((r % 2) * self.swz)) * VEC)
                 cute.copy(g2s, self._vec(src), self._vec(dst))
-            for i in cutlass.range_constexpr(self.x_copies):
-                q = tidx + i * T
-                if cutlass.const_expr((i + 1) * T <= self.tm * VR):
-                    self._issue_x(mX, sX, g2s, q, k0, slot, tok0, m)
-                else:
-                    if q < self.tm * VR:
-                        self._issue_x(mX, sX, g2s, q, k0, slot, tok0, m)
 
         @cute.jit
-        def _issue_x(self, mX, sX, g2s, q, k0, slot, tok0, m):
+        def _issue_x(self, mX, sX, g2s, kt, slot, tidx, tok0, m):
+            """The same for the x tile (tokens past M clamped)."""
+            T = self.threads
+            for i in cutlass.range_constexpr(self.x_copies):
+                q = tidx + i * T
+                if cutlass.const_expr((i + 1) * T <= self.tm * self.vr):
+                    self._copy_x(mX, sX, g2s, q, kt * self.bk, slot, tok0, m)
+                else:
+                    if q < self.tm * self.vr:
+                        self._copy_x(mX, sX, g2s, q, kt * self.bk, slot, tok0, m)
+
+        @cute.jit
+        def _copy_x(self, mX, sX, g2s, q, k0, slot, tok0, m):
             VR, BK = self.vr, self.bk
             r = q // VR
             j = q % VR
