@@ -90,25 +90,27 @@ def test_splitk_tc_space_sample_numerics(m, n, k):
     assert checked >= 20
 
 
-@pytest.mark.parametrize("reduce,split", [(0, 1), (0, 4), (1, 4)])
-def test_splitk_tc_pdl_chain(reduce, split):
+@pytest.mark.parametrize("name,knobs", [("gemm.splitk_tc", {"split_k": 1, "reduce": 0}),
+                                        ("gemm.splitk_tc", {"split_k": 4, "reduce": 0}),
+                                        ("gemm.splitk_tc", {"split_k": 4, "reduce": 1}),
+                                        ("gemm.smallm", {"split_k": 1}), ("gemm.smallm", {"split_k": 4})])
+def test_pdl_chain(name, knobs):
     """Programmatic dependent launch: y1 = x W1^T, then y2 = y1 W2^T on the same stream, both launched with PDL (the
     second starts while the first finishes and must wait for y1), eagerly and replayed in a CUDA graph; and the
     same chain twice in a row (each launch rewrites the buffers the previous one read)."""
     import torch
 
-    from k3tune.kernels.gemm_splitk_tc import SplitKConfig
-
-    fam = family("gemm.splitk_tc")
+    fam = family(name)
     m, n1, k1, n2 = 5, 1024, 7168, 7168
     p1 = Problem("kda.o_proj", "gemm", (("M", m), ("N", n1), ("K", k1)))
     p2 = Problem("kda.o_proj", "gemm", (("M", m), ("N", n2), ("K", n1)))
-    cfg = SplitKConfig(m_tiles=1, warps_n=4, warps_k=1, tile_m=8, split_k=split, bk=64, stages=4, reduce=reduce, pdl=1)
+    cfg = fam.config_from_params(p1, {**fam.default_config(p1).params(), **knobs, "pdl": 1})
+    assert cfg == fam.config_from_params(p2, cfg.params())  # one config serves both shapes
     gen = torch.Generator(device="cuda").manual_seed(7)
     a = fam.make_inputs(p1, torch.device("cuda"), gen)
     b = fam.make_inputs(p2, torch.device("cuda"), gen)
     b["x"] = a["out"]  # the second GEMM reads what the first writes
-    r1, r2 = fam.build(p1, cfg), fam.build(p2, cfg)
+    r1, r2 = fam.build(p1, cfg), fam.build(p2, fam.config_from_params(p2, cfg.params()))
 
     def chain():
         r1(a)
@@ -141,7 +143,8 @@ def test_measurer_runs_the_requested_kernel():
 
     p = Problem("kda.o_proj", "gemm", (("M", 5), ("N", 7168), ("K", 1536)))
     before = gemm_smallm.compiled.cache_info().misses
-    out = GpuBackend().measure(Task(1, p, "gemm.smallm", {"rows_per_cta": 2, "warps": 8, "split_k": 2, "unroll": 2}, 0, 5))
+    out = GpuBackend().measure(Task(1, p, "gemm.smallm", {"rows_per_cta": 2, "warps": 8, "split_k": 2, "unroll": 2,
+                                                         "pdl": 1}, 0, 5))
     assert out.status == "ok" and out.median_us > 0, out
     assert gemm_smallm.compiled.cache_info().misses == before + 1  # compiled (and so launched) this config
 

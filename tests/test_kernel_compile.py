@@ -32,6 +32,8 @@ def test_smallm_compiles(arch):
         warnings.simplefilter("ignore", DeprecationWarning)
         for m, r, w, s, u in SAMPLE:
             assert compiled(m, r, w, s, u, arch) is not None, (m, r, w, s, u)
+        for m, r, w, s, u in [(1, 1, 4, 1, 2), (4, 4, 8, 4, 1), (16, 2, 2, 16, 1)]:  # with PDL
+            assert compiled(m, r, w, s, u, arch, 1) is not None, (m, r, w, s, u, "pdl")
 
 
 # the tensor-core kernel: every value of every knob, one knob at a time from a base, and two corners

@@ -49,14 +49,14 @@ def test_declared_families_never_offered_to_gpu(plan):
 def test_params_outside_space_refused():
     p = problems.Problem("kda.o_proj", "gemm", (("M", 4), ("N", 7168), ("K", 1536)))
     f = family("gemm.smallm")
-    f.config_from_params(p, {"rows_per_cta": 4, "warps": 4, "split_k": 2, "unroll": 1})
+    f.config_from_params(p, {"rows_per_cta": 4, "warps": 4, "split_k": 2, "unroll": 1, "pdl": 0})
     with pytest.raises(CannotImplement, match="outside the declared space"):
-        f.config_from_params(p, {"rows_per_cta": 3, "warps": 4, "split_k": 2, "unroll": 1})
+        f.config_from_params(p, {"rows_per_cta": 3, "warps": 4, "split_k": 2, "unroll": 1, "pdl": 0})
     with pytest.raises(CannotImplement, match="do not match"):
         f.config_from_params(p, {"rows_per_cta": 4})
     big = problems.Problem("kda.o_proj", "gemm", (("M", 64), ("N", 7168), ("K", 1536)))
     with pytest.raises(CannotImplement, match="cannot implement"):
-        f.config_from_params(big, {"rows_per_cta": 4, "warps": 4, "split_k": 2, "unroll": 1})
+        f.config_from_params(big, {"rows_per_cta": 4, "warps": 4, "split_k": 2, "unroll": 1, "pdl": 0})
 
 
 def test_op_digest_depends_on_backend_and_is_stable():

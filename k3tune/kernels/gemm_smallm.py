@@ -7,7 +7,10 @@ through shared memory. With ``split_k > 1`` each slice writes fp32 partials to a
 deterministic kernel sums them in slice order and writes bf16 (no atomics: results are reproducible).
 
 The K loop can be unrolled (``unroll``) to keep more loads in flight; the dot products are FMA chains over
-an fp32 copy of the tokens' slice of x.
+an fp32 copy of the tokens' slice of x. With ``pdl`` the launches allow programmatic dependent launch: a CTA pulls
+its rows' K slice into L2 (``cp.async.bulk.prefetch.L2``) while the kernel before it finishes, then waits for that
+grid (``griddepcontrol.wait``) before touching x, the output or the workspace; an ordinary launch when the kernel
+before it does not trigger (these trigger at their start).
 
 Constraints: M <= 16 (a compile-time constant: one binary per M), K a multiple of 8 x split_k, N a multiple of
 rows_per_cta, 16-byte aligned rows. N and K are dynamic: one compile serves every projection of a given M.
@@ -38,6 +41,7 @@ class SmallMConfig(KernelConfig):
     warps: int = 4
     split_k: int = 1
     unroll: int = 1  # K-loop iterations unrolled: more 16-byte loads in flight per thread
+    pdl: int = 0  # 1: programmatic dependent launch (the CTA's weights pulled into L2 as the kernel before ends)
 
 
 class SmallMGemm(KernelFamily):
@@ -46,6 +50,7 @@ class SmallMGemm(KernelFamily):
     config_cls = SmallMConfig
     backends = frozenset({"gpu", "simulated"})
     priority = 30
+    off = {"pdl": 0}  # programmatic dependent launch is recorded only where it pays beyond the noise
 
     def can_implement(self, problem: Problem) -> bool:
         return super().can_implement(problem) and problem["M"] <= MAX_M and problem["K"] % VEC == 0
@@ -57,6 +62,7 @@ class SmallMGemm(KernelFamily):
             "warps": (2, 4, 8),
             "split_k": (1, 2, 4, 8, 16),
             "unroll": (1, 2, 4),
+            "pdl": (0, 1),
         }
 
     def valid(self, cfg: SmallMConfig, problem: Problem) -> bool:
@@ -105,7 +111,7 @@ class SmallMGemm(KernelFamily):
         from cuda.bindings import driver as cuda
         from cutlass.cute.runtime import from_dlpack
 
-        fn = compiled(problem["M"], cfg.rows_per_cta, cfg.warps, cfg.split_k, cfg.unroll, current_arch())
+        fn = compiled(problem["M"], cfg.rows_per_cta, cfg.warps, cfg.split_k, cfg.unroll, current_arch(), cfg.pdl)
 
         def run(inputs: dict):
             x = from_dlpack(inputs["x"], assumed_align=16).mark_compact_shape_dynamic(mode=1, divisibility=VEC)
@@ -134,8 +140,9 @@ def current_arch() -> str:
 
 
 @functools.cache
-def compiled(m: int, rows: int, warps: int, split: int, unroll: int, arch: str):
-    """Compile once per (M, rows, warps, split, unroll, arch); N and K are dynamic. Never call inside a capture."""
+def compiled(m: int, rows: int, warps: int, split: int, unroll: int, arch: str, pdl: int = 0):
+    """Compile once per (M, rows, warps, split, unroll, arch, pdl); N and K are dynamic. Never call inside a
+    capture."""
     import cutlass.cute as cute
     from cutlass import BFloat16, Float32
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
@@ -146,7 +153,7 @@ def compiled(m: int, rows: int, warps: int, split: int, unroll: int, arch: str):
     w = make_fake_compact_tensor(BFloat16, (n, k), stride_order=(1, 0), assumed_align=16)
     y = make_fake_compact_tensor(BFloat16, (m, n), stride_order=(1, 0), assumed_align=16)
     ws = make_fake_compact_tensor(Float32, (cute.sym_int(), m, n), stride_order=(2, 1, 0), assumed_align=16)
-    kernel = _kernel_class()(m, rows, warps, split, unroll)
+    kernel = _kernel_class()(m, rows, warps, split, unroll, pdl)
     return cute.compile(kernel, x, w, y, ws, make_fake_stream(), options=f"--gpu-arch {arch}")
 
 
@@ -157,20 +164,23 @@ def _kernel_class():
     import cutlass.cute as cute
     from cuda.bindings import driver as cuda
     from cutlass import BFloat16, Float32
+    from cutlass.experimental.primitives import cp_async_bulk_prefetch
 
     class SmallMGemvKernel:
-        def __init__(self, m: int, rows: int, warps: int, split: int, unroll: int):
+        def __init__(self, m: int, rows: int, warps: int, split: int, unroll: int, pdl: int = 0):
             self.m, self.rows, self.warps, self.split, self.unroll = m, rows, warps, split, unroll
+            self.pdl = bool(pdl)
 
         @cute.jit
         def __call__(self, mX: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor, mWs: cute.Tensor,
                      stream: cuda.CUstream):
             n = mW.shape[0]
             self.kernel(mX, mW, mY, mWs).launch(grid=(n // self.rows, self.split, 1),
-                                                block=(self.warps * 32, 1, 1), stream=stream)
+                                                block=(self.warps * 32, 1, 1), stream=stream, use_pdl=self.pdl)
             if cutlass.const_expr(self.split > 1):
                 total = self.m * n
-                self.reduce(mWs, mY).launch(grid=((total + 255) // 256, 1, 1), block=(256, 1, 1), stream=stream)
+                self.reduce(mWs, mY).launch(grid=((total + 255) // 256, 1, 1), block=(256, 1, 1), stream=stream,
+                                            use_pdl=self.pdl)
 
         @cute.kernel
         def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor, mWs: cute.Tensor):
@@ -192,6 +202,13 @@ def _kernel_class():
             rx = cute.make_rmem_tensor_like(gX[(None, (0, 0))])
             wf = cute.make_rmem_tensor(cute.make_layout(VEC), Float32)
             xf = cute.make_rmem_tensor(cute.make_layout((VEC, M)), Float32)
+            if cutlass.const_expr(self.pdl):
+                # the weights depend on no kernel: pull this CTA's rows of its K slice into L2 while the previous
+                # kernel finishes, then wait for that grid before x, the output or the workspace is touched
+                cute.arch.griddepcontrol_launch_dependents()
+                if tidx < R:
+                    cp_async_bulk_prefetch(mW.iterator + ((n0 + tidx) * mW.shape[1] + c0 * VEC), chunks * VEC * 2)
+                cute.arch.griddepcontrol_wait()
             for c in cutlass.range(warp * 32 + lane, chunks, W * 32, unroll=self.unroll):
                 cc = c0 + c
                 for mi in cutlass.range_constexpr(M):  # the tokens' slice of x, once per chunk, in fp32
@@ -227,6 +244,9 @@ def _kernel_class():
 
         @cute.kernel
         def reduce(self, mWs: cute.Tensor, mY: cute.Tensor):
+            if cutlass.const_expr(self.pdl):
+                cute.arch.griddepcontrol_wait()  # the partials of the grid before (it triggered early)
+                cute.arch.griddepcontrol_launch_dependents()
             tidx, _, _ = cute.arch.thread_idx()
             bidx, _, _ = cute.arch.block_idx()
             n = mY.shape[1]

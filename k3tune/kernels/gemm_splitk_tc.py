@@ -84,6 +84,7 @@ class SplitKTensorCoreGemm(KernelFamily):
     config_cls = SplitKConfig
     backends = frozenset({"gpu", "simulated"})
     priority = 40
+    off = {"pdl": 0}  # programmatic dependent launch is recorded only where it pays beyond the noise
 
     def can_implement(self, problem: Problem) -> bool:
         return super().can_implement(problem) and problem["M"] <= MAX_M and problem["K"] % KCHUNK == 0
