@@ -119,7 +119,8 @@ class SplitKTensorCoreGemm(KernelFamily):
         return {**params, "reduce": 0} if params.get("split_k") == 1 else params
 
     def default(self, problem: Problem) -> SplitKConfig:
-        return self.seeds(problem)[0] if self.seeds(problem) else SplitKConfig()
+        seeds = self.seeds(problem)
+        return seeds[0] if seeds else SplitKConfig()
 
     def seeds(self, problem: Problem) -> list[SplitKConfig]:
         """Layouts that fill the GPU: each with the smallest split-K giving >= 2 CTAs per SM (H200/GB300)."""
@@ -393,35 +394,29 @@ def _kernel_class():
         def _issue_w(self, mW, sW, g2s, kt, slot, tidx, row0, n):
             """cp.async of stage ``kt``'s W tile (K from kt*bk) into ring slot ``slot``: consecutive threads copy
             consecutive 16-byte vectors of a row (rows past N are clamped: nobody stores them)."""
-            VR, T, BK = self.vr, self.threads, self.bk
-            k0 = kt * BK
             for i in cutlass.range_constexpr(self.w_copies):
-                q = tidx + i * T
-                r = q // VR
-                j = q % VR
-                src = mW.iterator + (cutlass.min(row0 + r, n - 1) * mW.shape[1] + k0 + j * VEC)
-                dst = sW.iterator + ((slot * self.rows + r) * BK + (j ^ ((r % 2) * self.swz)) * VEC)
-                cute.copy(g2s, self._vec(src), self._vec(dst))
+                self._copy_vec(mW, sW, g2s, tidx + i * self.threads, kt * self.bk, slot, self.rows, row0, n)
 
         @cute.jit
         def _issue_x(self, mX, sX, g2s, kt, slot, tidx, tok0, m):
-            """The same for the x tile (tokens past M clamped)."""
-            T = self.threads
+            """The same for the x tile (tokens past M clamped); its vectors need not divide among the threads."""
             for i in cutlass.range_constexpr(self.x_copies):
-                q = tidx + i * T
-                if cutlass.const_expr((i + 1) * T <= self.tm * self.vr):
-                    self._copy_x(mX, sX, g2s, q, kt * self.bk, slot, tok0, m)
+                q = tidx + i * self.threads
+                if cutlass.const_expr((i + 1) * self.threads <= self.tm * self.vr):
+                    self._copy_vec(mX, sX, g2s, q, kt * self.bk, slot, self.tm, tok0, m)
                 else:
                     if q < self.tm * self.vr:
-                        self._copy_x(mX, sX, g2s, q, kt * self.bk, slot, tok0, m)
+                        self._copy_vec(mX, sX, g2s, q, kt * self.bk, slot, self.tm, tok0, m)
 
         @cute.jit
-        def _copy_x(self, mX, sX, g2s, q, k0, slot, tok0, m):
+        def _copy_vec(self, mSrc, sDst, g2s, q, k0, slot, tile_rows: cutlass.Constexpr, row0, limit):
+            """Vector ``q`` of a tile (row q // VR, vector q % VR) from global row ``row0 + r`` (clamped below
+            ``limit``) at K ``k0`` to its swizzled place in ring slot ``slot``."""
             VR, BK = self.vr, self.bk
             r = q // VR
             j = q % VR
-            src = mX.iterator + (cutlass.min(tok0 + r, m - 1) * mX.shape[1] + k0 + j * VEC)
-            dst = sX.iterator + ((slot * self.tm + r) * BK + (j ^ ((r % 2) * self.swz)) * VEC)
+            src = mSrc.iterator + (cutlass.min(row0 + r, limit - 1) * mSrc.shape[1] + k0 + j * VEC)
+            dst = sDst.iterator + ((slot * tile_rows + r) * BK + (j ^ ((r % 2) * self.swz)) * VEC)
             cute.copy(g2s, self._vec(src), self._vec(dst))
 
         @cute.jit
