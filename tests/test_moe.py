@@ -191,3 +191,22 @@ def test_tensor_core_expert_kernels_refuse_what_they_cannot_run():
         moe_experts_tc.check(TcExpertConfig(n_tiles=1), grp, 64, "bf16")
     with pytest.raises(ConfigError, match="above 2"):
         moe_experts_tc.check_scales(torch.tensor([127, 130], dtype=torch.uint8))
+
+
+def test_the_block_search_never_measures_one_kernel_under_two_names():
+    """Knobs of the expert kernel that does not run are fixed (CUDA-core knobs under the tensor-core kernel and
+    the reverse; routed_on when serial), so two TPE samples differing only there are one candidate."""
+    from k3tune.kernels import family
+    from k3tune.plan.problems import Problem
+
+    fam = family("moe.overlap")
+    p = Problem("moe.block", "moe_block", (("tp", 16), ("M", 8), ("experts", 896), ("top_k", 16), ("latent", 3584),
+                                           ("inter", 192), ("shared_inter", 384), ("hidden", 7168),
+                                           ("format", "bf16"), ("routing", "uniform")))
+    a = {**fam.default_config(p).params(), "experts_kernel": "cuda_core", "tc13_wn": 4, "shared_sms": 0}
+    b = {**a, "tc13_wn": 1, "tc2_unroll": 1, "routed_on": "rest"}
+    assert fam.canonical(a) == fam.canonical(b)
+    assert fam.canonical({**a, "w13_rows": 8}) != fam.canonical(a), "a knob of the running kernel matters"
+    tc = {**a, "experts_kernel": "tensor_core"}
+    assert fam.canonical({**tc, "w13_rows": 8}) == fam.canonical(tc)
+    assert fam.valid(fam.config_from_params(p, fam.canonical(b)), p)

@@ -219,6 +219,18 @@ class MoeOverlap(_BlockOnGpu, KernelFamily):
             "prefetch_mib": (0, 4, 8, 16, 32),
         }
 
+    _TC_KNOBS = ("tc13_mt", "tc13_wn", "tc13_wk", "tc13_unroll", "tc2_mt", "tc2_wn", "tc2_wk", "tc2_unroll")
+    _CC_KNOBS = ("w13_rows", "w13_warps", "w13_unroll", "w2_rows", "w2_warps", "w2_unroll", "w2_lanes")
+
+    def canonical(self, params: dict) -> dict:
+        """The expert kernel that does not run ignores its knobs; serial (0 shared SMs) has nothing to split."""
+        base = MoeOverlapConfig()
+        ignored = self._TC_KNOBS if params.get("experts_kernel") == "cuda_core" else self._CC_KNOBS
+        out = {**params, **{k: getattr(base, k) for k in ignored if k in params}}
+        if out.get("shared_sms") == 0:
+            out["routed_on"] = "all"
+        return out
+
     def valid(self, cfg: MoeOverlapConfig, problem: Problem) -> bool:
         # registers of a lane's load batch (16-byte vectors = 4 registers: weight rows and the item's tokens)
         # and its accumulators (rows x tokens): keep clear of spills; an item never holds more than M tokens
