@@ -2,7 +2,8 @@
 # One device call on the lent H200: GPU tests, the measured dense sweep (resumable: its database lives in
 # .device/, carried between calls), the export to tuning_db/h200.sqlite, and bench/gemm.py.
 # Usage (device tool, carry [".carry", ".device"]):
-#   bash bench/h200_session.sh [tests] [sweep] [bench] [moetests] [moebench] [moesweep] [moeserved]
+#   bash bench/h200_session.sh [tests] [probe] [sweep] [bench] [moetests] [moebench] [moesweep] [moeserved]
+# tests: TESTS_K selects (pytest -k); probe: bench/probe_gemm.py PROBE_ARGS; sweep: on SWEEP_GPUS GPUs (default 1)
 # moeserved: the MoE sweep's winners merged into a copy of tuning_db/h200.sqlite, then bench/moe.py --served
 # moetc: the tensor-core expert kernels' GPU tests, then bench/moe_experts.py (MOE_EXPERTS_ARGS)
 # pack: last step: every output in one outputs.tgz (a call returns at most 8 files)
@@ -12,13 +13,16 @@ mkdir -p .device
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv | tee $OUT/gpu.txt
 for step in "$@"; do
   case $step in
-    tests) timeout ${TESTS_S:-300} python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/test_gpu_kernels.py 2>&1 \
-             | tee $OUT/gpu-tests.log | tail -15 ;;
+    tests) timeout ${TESTS_S:-300} python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/test_gpu_kernels.py \
+             ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tee $OUT/gpu-tests.log | tail -15 ;;
+    probe) (cd bench && timeout ${PROBE_S:-200} python3 probe_gemm.py ${PROBE_ARGS:-}) 2>&1 | tee -a $OUT/probe.log \
+             | grep "^BEST\|WRONG\|Error" ;;
     sweep) # a carried .device/h200-sweep.sqlite.xz (an earlier sweep: its trials of unchanged kernels are reused)
            [ -f .device/h200-sweep.sqlite ] || [ ! -f .device/h200-sweep.sqlite.xz ] || \
              python3 -c "import lzma,shutil; shutil.copyfileobj(lzma.open('.device/h200-sweep.sqlite.xz'), open('.device/h200-sweep.sqlite','wb'))"
            timeout ${SWEEP_S:-300} python3 bench/device_sweep.py --spec configs/sweep_h200_dense.toml \
-             --db .device/h200-sweep.sqlite --compile-procs ${COMPILE_PROCS:-0} 2>&1 | tee $OUT/sweep.log | tail -25
+             --db .device/h200-sweep.sqlite --gpus ${SWEEP_GPUS:-1} \
+             --compile-procs ${COMPILE_PROCS:-0} 2>&1 | tee $OUT/sweep.log | tail -25
            python3 -c "import sqlite3; c=sqlite3.connect('.device/h200-sweep.sqlite'); c.execute('PRAGMA wal_checkpoint(TRUNCATE)')"
            cp .device/h200-sweep.sqlite $OUT/ ;;
     bench) timeout ${BENCH_S:-300} python3 bench/gemm.py --db .device/h200-sweep.sqlite --out $OUT/bench-gemm.json \

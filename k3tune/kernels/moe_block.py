@@ -131,12 +131,13 @@ def _selector():
     return Selector.load()
 
 
-def _partition(sms: int):
-    """(shared experts' stream, routed experts' stream): the device's SMs split ``sms`` / the rest."""
+def _partition(sms: int, rest: bool):
+    """(shared experts' stream, routed experts' stream or None): the device's SMs split ``sms`` / the rest,
+    the rest on its own green context only when the routed experts are confined to it."""
     from k3tune.runtime.partition import shared_partition
 
-    split = shared_partition(sms)
-    return split.shared.stream, split.rest.stream
+    split = shared_partition(sms, rest=rest)
+    return split.shared.stream, (split.rest.stream if rest else None)
 
 
 @dataclass(frozen=True)
@@ -272,9 +273,7 @@ class MoeOverlap(_BlockOnGpu, KernelFamily):
         experts = ((*self._tc_cfgs(cfg), cfg.group) if cfg.experts_kernel == "tensor_core" else
                    (ExpertKernelConfig(cfg.w13_rows, cfg.w13_warps, cfg.w13_unroll),
                     ExpertKernelConfig(cfg.w2_rows, cfg.w2_warps, cfg.w2_unroll, cfg.w2_lanes), cfg.group))
-        shared, routed = _partition(cfg.shared_sms) if cfg.shared_sms else (None, None)
-        if cfg.routed_on == "all":
-            routed = None
+        shared, routed = _partition(cfg.shared_sms, cfg.routed_on == "rest") if cfg.shared_sms else (None, None)
         return {"experts_cfg": experts, "shared_stream": shared, "routed_stream": routed,
                 "prefetch_mib": cfg.prefetch_mib}
 

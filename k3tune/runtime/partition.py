@@ -96,11 +96,16 @@ def _on_green_context(resource, dev, device: int) -> SmPartition:
 
 
 _CACHE: dict[tuple[int, int], SmSplit] = {}
+_SUPERSEDED: list[SmSplit] = []  # kept open: blocks built on them (and their captured graphs) still use them
 
 
-def shared_partition(n_sms: int, device: int = 0) -> SmSplit:
+def shared_partition(n_sms: int, device: int = 0, rest: bool = True) -> SmSplit:
     """One split per (size, device) for the life of the process: green contexts are not free to make. The
-    shared experts run on ``.shared``, the routed experts on ``.rest``."""
-    if (n_sms, device) not in _CACHE:
-        _CACHE[(n_sms, device)] = green_split(n_sms, device)
+    shared experts run on ``.shared``, the routed experts on ``.rest`` (made only when ``rest``: a block whose
+    routed experts keep every SM needs no second context; a split made with it serves both)."""
+    have = _CACHE.get((n_sms, device))
+    if have is None or (rest and have.rest is None):
+        if have is not None:
+            _SUPERSEDED.append(have)
+        _CACHE[(n_sms, device)] = green_split(n_sms, device, rest=rest)
     return _CACHE[(n_sms, device)]
