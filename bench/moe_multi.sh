@@ -2,6 +2,7 @@
 # Issue 4 on a 2- or 4-GPU machine (nvidia-h200-x2/x4, carry [".carry", ".device"]), steps in order:
 #   sweep   both MoE block sweeps at once: bf16 experts on the first half of the GPUs, MXFP4 on the second
 #           (into .device/h200-moe.sqlite and .device/h200-moe-mxfp4.sqlite, copied to $OUT)
+#   sweep-bf16 / sweep-mxfp4   one of the two alone (on the same GPUs as in sweep), to run beside other work
 #   tests   the MoE GPU tests: tensor-core kernels on GPU 0, the block on GPU 1
 #   served  the sweeps' winners merged with the shipped dense winners, then the served block benchmarked,
 #           bf16 on GPU 0 and MXFP4 on GPU 1 (each bench times only its own GPU)
@@ -24,6 +25,8 @@ for step in "$@"; do
     sweep) sweep $(seq -s, 0 $((H - 1))) configs/sweep_h200_moe_bf16.toml .device/h200-moe.sqlite &
            sweep $(seq -s, $H $((N - 1))) configs/sweep_h200_moe_mxfp4.toml .device/h200-moe-mxfp4.sqlite &
            wait; grep -HE '"(trials|seconds|failed|problems_done)"' $OUT/*-sweep.log ;;
+    sweep-bf16) sweep $(seq -s, 0 $((H - 1))) configs/sweep_h200_moe_bf16.toml .device/h200-moe.sqlite ;;
+    sweep-mxfp4) sweep $(seq -s, $H $((N - 1))) configs/sweep_h200_moe_mxfp4.toml .device/h200-moe-mxfp4.sqlite ;;
     tests) CUDA_VISIBLE_DEVICES=0 timeout ${TESTS_S:-200} python3 -m pytest -m gpu -q -p no:cacheprovider \
              tests/test_gpu_moe_tc.py > $OUT/gpu-moe-tc-tests.log 2>&1 &
            CUDA_VISIBLE_DEVICES=1 timeout ${TESTS_S:-200} python3 -m pytest -m gpu -q -p no:cacheprovider \
