@@ -117,8 +117,8 @@ def main() -> None:
                 cfg = fam.config_from_params(p, dict(choice.params)) if fam.can_implement(p) else None
                 if cfg is not None and fam.name != "gemm.cublas":
                     row["tuned"] = measure(fam.build(p, cfg), fam, p, args.samples)
-                    if choice.params.get("pdl"):  # its gain needs a chain of such kernels: show it without
-                        plain = fam.config_from_params(p, {**choice.params, "pdl": 0})
+                    if row["params"].get("pdl"):  # its gain needs a chain of such kernels: show it without
+                        plain = fam.config_from_params(p, {**row["params"], "pdl": 0})
                         row["tuned_nopdl"] = measure(fam.build(p, plain), fam, p, args.samples)
                 else:
                     row["tuned"] = row["cublas"]
