@@ -159,7 +159,7 @@ def test_measurer_runs_the_tensor_core_kernel():
     p = Problem("moe.router_latent", "gemm", (("M", 24), ("N", 560), ("K", 7168)))
     before = gemm_splitk_tc.compiled.cache_info().misses
     params = {"m_tiles": 2, "warps_n": 1, "warps_k": 4, "tile_m": 32, "split_k": 2, "bk": 128, "stages": 4,
-              "reduce": 1}  # not in TC_SAMPLE
+              "reduce": 1, "pdl": 0}  # not in TC_SAMPLE
     out = GpuBackend().measure(Task(1, p, "gemm.splitk_tc", params, 0, 5))
     assert out.status == "ok" and out.median_us > 0, out
     assert gemm_splitk_tc.compiled.cache_info().misses == before + 1
