@@ -20,6 +20,7 @@ for step in "$@"; do
     sweep) # a carried .device/h200-sweep.sqlite.xz (an earlier sweep: its trials of unchanged kernels are reused)
            [ -f .device/h200-sweep.sqlite ] || [ ! -f .device/h200-sweep.sqlite.xz ] || \
              python3 -c "import lzma,shutil; shutil.copyfileobj(lzma.open('.device/h200-sweep.sqlite.xz'), open('.device/h200-sweep.sqlite','wb'))"
+           [ ! -f .device/h200-sweep.sqlite ] || python3 -m k3tune db upgrade .device/h200-sweep.sqlite  # schema of an older k3tune
            timeout ${SWEEP_S:-300} python3 bench/device_sweep.py --spec configs/sweep_h200_dense.toml \
              --db .device/h200-sweep.sqlite --gpus ${SWEEP_GPUS:-1} \
              --compile-procs ${COMPILE_PROCS:-0} 2>&1 | tee $OUT/sweep.log | tail -25

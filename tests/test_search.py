@@ -14,6 +14,7 @@ from k3tune.kernels import families_for, family
 from k3tune.plan import hardware, model, spec
 from k3tune.plan.problems import Problem
 from k3tune.search.driver import SweepOptions, run_sweep
+from k3tune.search.method import method_digest
 from k3tune.search.outcome import Task
 from k3tune.search.simulate import SimulatedBackend
 from k3tune.search.strategy import ProblemSearch
@@ -290,12 +291,44 @@ def test_stored_trial_outside_space_is_never_launched(db_path):
         run = records.start_run(s, command="t", backend=Backend.simulated, hw_id=hw, sw_id=sw, spec_digest="x")
         records.record_trials(s, run.id, hw, Backend.simulated, [records.TrialRecord(
             pid, "gemm.smallm", family("gemm.smallm").digest, bogus, '{"pdl":0,"rows_per_cta":3,"split_k":1,"unroll":1,"warps":4}', 1,
-            TrialStatus.ok, 0.001, 0.0, 3)])
+            TrialStatus.ok, 0.001, 0.0, 3, method=method_digest("simulated"))])
     stats = run_sweep(_opts(db, sp))
     assert len(stats.refused) == 1 and "outside the declared space" in stats.refused[0]
     with db.session() as s:
         w = s.scalar(select(Winner))
     assert w.params != bogus and w.median_us > 0.01
+
+
+@pytest.mark.parametrize("same_method", [True, False])
+def test_stored_trials_are_reused_only_when_timed_the_same_way(db_path, same_method):
+    """A stored trial of an unchanged kernel is reused only if the backend times the way it was timed; one timed
+    another way (an older measurer) is neither reused nor overwritten: the sweep times that kernel afresh and
+    records it beside the old row."""
+    from k3tune.kernels import params_key
+    from k3tune.store import records
+    from k3tune.store.models import Backend, TrialStatus
+
+    sp = spec.from_dict({"matrix": {"tp": [16], "batch": [1], "ops": ["kda.o_proj"]},
+                         "buckets": {"tokens": [1], "batch": [1], "query_len": [1]},
+                         "search": {"budget": 4, "samples": 3, "remeasure_top": 1}})
+    db = store_db.open_db(db_path)
+    p = Problem("kda.o_proj", "gemm", (("M", 1), ("N", 7168), ("K", 768)))
+    fam = family("gemm.cublas")
+    params = fam.default_config(p).params()
+    method = method_digest("simulated") if same_method else "an-older-measurer"
+    with db.session() as s:
+        hw = records.hardware_id(s, hardware.simulated_fingerprint(GB300))
+        sw = records.software_id(s, records.software_versions())
+        pid = records.problem_ids(s, [p])[p]
+        run = records.start_run(s, command="t", backend=Backend.simulated, hw_id=hw, sw_id=sw, spec_digest="x")
+        records.record_trials(s, run.id, hw, Backend.simulated, [records.TrialRecord(
+            pid, fam.name, fam.digest, params, params_key(params), 0, TrialStatus.ok, 99.0, 0.1, 3, method=method)])
+    stats = run_sweep(_opts(db, sp))
+    assert stats.reused == (1 if same_method else 0)
+    with db.session() as s:
+        rows = s.scalars(select(Trial).where(Trial.family == fam.name, Trial.round == 0)).all()
+    assert sorted(r.method for r in rows) == sorted({method, method_digest("simulated")})
+    assert any(r.median_us == 99.0 for r in rows)  # the old row is kept as it was
 
 
 def _count(db_path):

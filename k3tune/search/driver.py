@@ -24,6 +24,7 @@ from k3tune.plan.hardware import Fingerprint, HardwareSpec
 from k3tune.plan.model import ModelConfig
 from k3tune.plan.spec import SweepSpec
 from k3tune.search.compile_farm import CompileFarm
+from k3tune.search.method import method_digest
 from k3tune.search.outcome import Task
 from k3tune.search.strategy import Candidate, ProblemSearch
 from k3tune.search.workers import WorkerPool
@@ -110,6 +111,7 @@ def run_sweep(opt: SweepOptions) -> SweepStats:
         raise ConfigError(f"nothing to tune on the {opt.backend} backend for spec {opt.spec.name}")
     digests = {op: op_digest(op, opt.backend) for op in {p.op for p in tunable}}
     fam_digests = {f.name: f.digest for f in FAMILIES.values()}
+    method = method_digest(opt.backend)  # trials timed another way are neither reused nor overwritten
 
     with opt.db.session() as s:
         hw_id = records.hardware_id(s, fp)
@@ -154,7 +156,7 @@ def run_sweep(opt: SweepOptions) -> SweepStats:
         p = by_id[pid]
         fams = families_for(p, opt.backend)
         with opt.db.session() as s:
-            stored = records.stored_trials(s, hw_id, pid, {f.name: fam_digests[f.name] for f in fams})
+            stored = records.stored_trials(s, hw_id, pid, {f.name: fam_digests[f.name] for f in fams}, method)
         search = ProblemSearch(p, fams, opt.spec.search, seed=opt.spec.search.seed + pid, stored=stored,
                                warm=[(f, prm) for _, f, prm in near_winners(p)])
         stats.reused += len(stored) - len(search.refused)
@@ -244,7 +246,8 @@ def run_sweep(opt: SweepOptions) -> SweepStats:
                         params=cand.params, params_key=cand.key, round=cand.round, status=TrialStatus(outcome.status),
                         median_us=outcome.median_us, spread_us=outcome.spread_us, samples=outcome.samples,
                         compile_s=outcome.compile_s, error=outcome.error,
-                        routing=str(by_id[pid].get("routing")) if by_id[pid].get("routing") else None))
+                        routing=str(by_id[pid].get("routing")) if by_id[pid].get("routing") else None,
+                        method=method))
                     stats.trials += 1
                     stats.failed += outcome.status != "ok"
                 if batch:
@@ -297,7 +300,7 @@ def _tune_collectives(problems: list[plans.Problem], pids: dict, opt: SweepOptio
                 records.record_trials(s, run_id, hw_id, label, [records.TrialRecord(
                     problem_id=pid, family=fam.name, family_digest=fam.digest, params=params[p][key], params_key=key,
                     round=0, status=TrialStatus(o.status), median_us=o.median_us, spread_us=o.spread_us,
-                    samples=o.samples, error=o.error) for key, o in outs.items()])
+                    samples=o.samples, error=o.error, method=method_digest("collective")) for key, o in outs.items()])
                 if win is not None:
                     records.save_winner(s, hardware_id=hw_id, problem_id=pid, op_digest=digests[p.op], backend=label,
                                         family=fam.name, family_digest=fam.digest, params=params[p][win],

@@ -88,7 +88,8 @@ class ProblemRow(Base):
 class Trial(Base):
     __tablename__ = "trials"
     __table_args__ = (
-        UniqueConstraint("hardware_id", "problem_id", "family", "family_digest", "params_key", "round", name="uq_trial"),
+        UniqueConstraint("hardware_id", "problem_id", "family", "family_digest", "params_key", "round", "method",
+                         name="uq_trial"),
         Index("ix_trial_lookup", "hardware_id", "problem_id", "family_digest"),
     )
     id: Mapped[int] = mapped_column(primary_key=True)
@@ -109,6 +110,9 @@ class Trial(Base):
     compile_s: Mapped[float | None] = mapped_column(Float, nullable=True)
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
     routing: Mapped[str | None] = mapped_column(String(200), nullable=True)
+    # how it was timed (search/method.py: the measuring code and the libraries it times through); a trial is
+    # reused only by a sweep that times the same way, "" for trials recorded before schema 0003
+    method: Mapped[str] = mapped_column(String(32), default="")
     created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
 
 

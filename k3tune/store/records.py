@@ -112,6 +112,7 @@ class TrialRecord:
     compile_s: float | None = None
     error: str | None = None
     routing: str | None = None
+    method: str = ""  # search/method.py: how the trial was timed
 
 
 def record_trials(session: Session, run_id: int, hw_id: int, backend: Backend, records: list[TrialRecord]) -> None:
@@ -120,13 +121,16 @@ def record_trials(session: Session, run_id: int, hw_id: int, backend: Backend, r
         run_id=run_id, hardware_id=hw_id, problem_id=r.problem_id, family=r.family, family_digest=r.family_digest,
         variant=r.family, params=r.params, params_key=r.params_key, round=r.round, status=r.status.value,
         backend=backend.value, median_us=r.median_us, spread_us=r.spread_us, samples=r.samples,
-        compile_s=r.compile_s, error=(r.error or None) and r.error[:2000], routing=r.routing, created_at=now)
+        compile_s=r.compile_s, error=(r.error or None) and r.error[:2000], routing=r.routing, method=r.method,
+        created_at=now)
         for r in records])
 
 
-def stored_trials(session: Session, hw_id: int, problem_id: int, digests: dict[str, str]) -> list[Trial]:
-    """Trials of the problem whose family digest is still current (the others are stale)."""
-    rows = session.scalars(select(Trial).where(Trial.hardware_id == hw_id, Trial.problem_id == problem_id))
+def stored_trials(session: Session, hw_id: int, problem_id: int, digests: dict[str, str], method: str) -> list[Trial]:
+    """Trials of the problem whose family digest is still current and that were timed by ``method`` (the
+    others are stale: a number timed another way is not comparable with the ones this sweep takes)."""
+    rows = session.scalars(select(Trial).where(Trial.hardware_id == hw_id, Trial.problem_id == problem_id,
+                                               Trial.method == method))
     return [t for t in rows if digests.get(t.family) == t.family_digest]
 
 
