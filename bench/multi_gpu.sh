@@ -4,14 +4,22 @@
 # Usage (device tool, kind nvidia-h200-x2, carry [".carry"]): bash bench/multi_gpu.sh [N] [SPEC]
 # K3TUNE_WORKER_KERNEL_CACHE=1: workers share compiled kernels through the disk cache (each sweep below
 # starts from an empty cache directory, so the 1- and N-GPU runs compile alike); COMPILE_PROCS=P: P CPU
-# processes compile queued candidates ahead into that cache (`--compile-procs`, implies the shared cache)
+# processes compile queued candidates ahead into that cache (`--compile-procs`, implies the shared cache).
+# CPU_SHARE=1: each sweep gets the CPU cores of as many GPUs as it uses (the g-GPU sweep runs pinned to g/N of
+# the machine's cores, compiling with all of them but one per worker and one for the driver), as a node of g GPUs
+# would have; without it both sweeps share COMPILE_PROCS on the whole machine
 set -uo pipefail
 source .carry/cutedsl/unpack.sh || exit 1
 N=${1:-2}; SPEC=${2:-configs/sweep_h200_scaling.toml}
 nvidia-smi --query-gpu=index,name,clocks.sm,temperature.gpu --format=csv | tee $OUT/gpu.txt
 for g in 1 $N; do
   export K3TUNE_KERNEL_CACHE=$(mktemp -d)
-  timeout ${SWEEP_S:-120} python3 bench/device_sweep.py --spec $SPEC --db $OUT/gpus$g.sqlite --gpus $g --compile-procs ${COMPILE_PROCS:-0} \
+  PIN=""; PROCS=${COMPILE_PROCS:-0}
+  if [ "${CPU_SHARE:-0}" = 1 ]; then
+    share=$(( $(nproc) * g / N )); PIN="taskset -c 0-$((share - 1))"; PROCS=$((share - g - 1))
+    echo "gpus=$g: cores 0-$((share - 1)), $PROCS compile processes"
+  fi
+  $PIN timeout ${SWEEP_S:-120} python3 bench/device_sweep.py --spec $SPEC --db $OUT/gpus$g.sqlite --gpus $g --compile-procs $PROCS \
     > $OUT/gpus$g.log 2>&1; echo "gpus=$g rc=$?"; grep -E '"(trials|seconds|failed|problems_done|workers_replaced|workers_ready_s|first_result_s)"' $OUT/gpus$g.log
 done
 if [ "${KILL:-1}" = 1 ]; then  # KILL=0: the throughput runs only

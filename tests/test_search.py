@@ -101,6 +101,49 @@ def test_tpe_samples_its_next_candidate_while_the_current_one_is_measured():
     assert ahead_seen >= tpe_steps - 2, "TPE steps past the seeds were sampled one ahead"
 
 
+def test_upcoming_is_what_next_hands_out_and_changes_no_choice():
+    """``upcoming()`` (the driver asks it to hand out compiled candidates first) names exactly the candidate
+    ``next()`` then hands out, and a search asked it at every step measures the same candidates and decides the
+    same as one never asked."""
+    p = Problem("kda.qkvg_proj", "gemm", (("M", 8), ("N", 6144), ("K", 7168)))
+    backend = SimulatedBackend(GB300, seed=0)
+
+    def run(peek: bool):
+        s = ProblemSearch(p, families_for(p, "simulated"), SETTINGS, seed=5)
+        seen = []
+        while not s.finished:
+            up = s.upcoming() if peek else None
+            cand = s.next()
+            if peek and up is not None:
+                assert cand is not None and (cand.family, cand.key, cand.round) == (up.family, up.key, up.round)
+            if cand is None:
+                break
+            seen.append((cand.family, cand.key, cand.round))
+            s.tell(cand, "ok", backend.measure(Task(0, p, cand.family, cand.params, cand.round, 9)).median_us, 0.01)
+        return seen, (s.decision.family, s.decision.params)
+
+    assert run(True) == run(False)
+
+
+def test_hand_out_gives_idle_workers_compiled_candidates_first():
+    """A candidate whose kernel is still compiling waits while another problem has a compiled one; with nothing
+    compiled left, it is handed out anyway (a worker waiting on a build beats an idle GPU)."""
+    from k3tune.search.driver import hand_out
+
+    probs = [Problem("kda.o_proj", "gemm", (("M", m), ("N", 7168), ("K", 768))) for m in (1, 2)]
+    fams = families_for(probs[0], "simulated")
+    active = {i: ProblemSearch(p, fams, SETTINGS, seed=0) for i, p in enumerate(probs)}
+    compiling = {(0, c.key) for c in active[0].queue}  # every seed of problem 0 is still being built
+    built = lambda pid, cand: (pid, cand.key) not in compiling  # noqa: E731
+    n0, n1 = len(active[0].queue), len(active[1].queue)
+    first = hand_out(active, n1, built)
+    assert [pid for pid, _ in first] == [1] * n1  # problem 1's compiled seeds, though problem 0 was claimed first
+    rest = hand_out(active, n0 + 1, built)
+    assert [pid for pid, _ in rest] == [0] * n0  # nothing compiled left: problem 0's seeds go out anyway
+    fresh = {i: ProblemSearch(p, fams, SETTINGS, seed=0) for i, p in enumerate(probs)}
+    assert [pid for pid, _ in hand_out(fresh, 3)] == [0, 0, 0]  # no farm: claim order
+
+
 @pytest.mark.parametrize("problem", [
     Problem("kda.qkvg_proj", "gemm", (("M", 16), ("N", 3072), ("K", 7168))),
     Problem("moe.block", "moe_block", (("tp", 16), ("M", 64), ("experts", 896), ("top_k", 16), ("latent", 3584),

@@ -6,8 +6,10 @@ kernel it was about to time, one at a time, and two workers often compiled the s
 seeds, warm starts, or its whole space when that is small), for every problem of the sweep at its start and in
 claim order (``submit_known``), so that it compiles ahead of the workers rather than racing them for the problem
 they have just opened. The workers load them from the cache (kernels/compile_cache.py, whose per-entry lock makes
-a worker wait for a compile in progress instead of repeating it); a candidate the search samples later goes to a
-worker at once, which compiles it.
+a worker wait for a compile in progress instead of repeating it). The driver asks ``ready`` before it hands a
+candidate out and hands out first those whose kernels are built, so that a worker waits on a compile only when no
+built candidate is left to measure (a measured 2-GPU sweep had both GPUs idle for seconds while their workers
+waited on big tensor-core builds).
 
 Only families whose ``build`` compiles eagerly from knobs and shapes alone are farmed (``FARMED``); a block
 family compiles inside its executor, at measurement time, on the GPU worker. The farm is an optimisation:
@@ -50,8 +52,7 @@ class CompileFarm:
         self.procs = procs
         self.pool = (ProcessPoolExecutor(procs, mp_context=mp.get_context("spawn"), initializer=_init,
                                          initargs=(arch,)) if procs > 0 else None)
-        self.seen: set[tuple[str, str, str]] = set()
-        self.futures: list[Future] = []
+        self.futures: dict[tuple[str, str, str], Future] = {}
 
     def __enter__(self) -> CompileFarm:
         return self
@@ -64,11 +65,19 @@ class CompileFarm:
         from k3tune.kernels import params_key
 
         key = (problem.key, family, params_key(params))
-        if self.pool is None or family not in FARMED or key in self.seen:
+        if self.pool is None or family not in FARMED or key in self.futures:
             return False
-        self.seen.add(key)
-        self.futures.append(self.pool.submit(_compile, problem, family, params))
+        self.futures[key] = self.pool.submit(_compile, problem, family, params)
         return True
+
+    def ready(self, problem: Problem, family: str, params: dict) -> bool:
+        """False only while the farm is compiling (or has queued) this candidate's kernel: a worker handed it
+        now would wait. Anything the farm does not build (no farm, a family not farmed, never submitted) is
+        ready as far as the farm can tell."""
+        from k3tune.kernels import params_key
+
+        f = self.futures.get((problem.key, family, params_key(params)))
+        return f is None or f.done()
 
     def submit_known(self, problems: list[Problem], backend: str, settings, warm_for) -> int:
         """Every problem's candidates known before anything is measured (defaults, seeds, warm starts
@@ -88,7 +97,7 @@ class CompileFarm:
     def wait(self) -> tuple[int, int]:
         """Block until everything queued is compiled: (done, failed). For tests and reports."""
         failed = 0
-        for f in self.futures:
+        for f in self.futures.values():
             try:
                 f.result()
             except Exception:  # the worker will compile it itself and record what fails

@@ -90,6 +90,27 @@ def _neighbour_distance(a: plans.Problem, b: plans.Problem) -> float:
                if isinstance(x[1], int) and isinstance(y[1], int)) + sum(1 for x, y in zip(a.dims, b.dims) if x != y and not isinstance(x[1], int))
 
 
+def hand_out(active: dict[int, ProblemSearch], n_idle: int,
+             built: Callable[[int, Candidate], bool] | None = None) -> list[tuple[int, Candidate]]:
+    """Up to ``n_idle`` (problem id, candidate) pairs for idle workers, in claim order; where ``built`` says
+    whether a candidate's kernel is compiled yet, a first pass hands out only those that are, so that a worker
+    waits on a compile only when nothing compiled is left to measure. Each search still sees its own candidates
+    handed out in its own order: only the interleaving across problems changes, never a problem's result."""
+    out: list[tuple[int, Candidate]] = []
+    for built_only in ((True, False) if built else (False,)):
+        for pid, search in active.items():
+            while len(out) < n_idle:
+                if built_only:
+                    up = search.upcoming()
+                    if up is None or not built(pid, up):
+                        break
+                cand = search.next()
+                if cand is None:
+                    break
+                out.append((pid, cand))
+    return out
+
+
 def run_sweep(opt: SweepOptions) -> SweepStats:
     t_start = time.monotonic()
     plan = plans.build(opt.spec, opt.model)
@@ -151,6 +172,10 @@ def run_sweep(opt: SweepOptions) -> SweepStats:
 
     def near_winners(p: plans.Problem) -> list[tuple[plans.Problem, str, dict]]:
         return sorted(neighbours.get(p.op, []), key=lambda n: _neighbour_distance(n[0], p))[:2]
+
+    def built(pid: int, cand: Candidate) -> bool:
+        farm.submit(by_id[pid], cand.family, cand.params)  # a fresh TPE sample: its build starts now
+        return farm.ready(by_id[pid], cand.family, cand.params)
 
     def open_search(pid: int) -> ProblemSearch:
         p = by_id[pid]
@@ -216,21 +241,16 @@ def run_sweep(opt: SweepOptions) -> SweepStats:
                     continue
                 idle = pool.idle()
                 if idle:
+                    for pid, cand in hand_out(active, len(idle), built if farm.procs else None):
+                        next_task += 1
+                        task_of[next_task] = (pid, cand)
+                        pool.submit(idle.pop(), Task(next_task, by_id[pid], cand.family, cand.params, cand.round,
+                                                     active[pid].samples_for(cand)))
                     for pid, search in list(active.items()):
-                        while idle:
-                            cand = search.next()
-                            if cand is None:
-                                break
-                            next_task += 1
-                            task_of[next_task] = (pid, cand)
-                            pool.submit(idle.pop(), Task(next_task, by_id[pid], cand.family, cand.params, cand.round,
-                                                         search.samples_for(cand)))
-                            if search.ahead is not None:  # compiled on spare cores while this one is measured
-                                farm.submit(by_id[pid], search.ahead.family, search.ahead.params)
+                        if search.ahead is not None:  # compiled on spare cores while the current one is measured
+                            farm.submit(by_id[pid], search.ahead.family, search.ahead.params)
                         if search.finished:
                             finish(pid, active.pop(pid))
-                        if not idle:
-                            break
                 results = pool.poll(timeout=0.5)
                 if stats.workers_ready_s is None and pool.all_ready():
                     stats.workers_ready_s = time.monotonic() - t_start

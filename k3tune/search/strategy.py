@@ -178,6 +178,28 @@ class ProblemSearch:
         return None
 
     # ---- the driver's interface ---------------------------------------------------------------
+    @property
+    def _search_over(self) -> bool:
+        return (self.measured >= self.settings.budget or self.since_gain >= self.settings.patience
+                or self.exhaustive or len(self.results) >= self.n_configs)
+
+    def upcoming(self) -> Candidate | None:
+        """The candidate ``next()`` would hand out now, without handing it out (None where ``next()`` would
+        wait, or would move to its next phase first). Lets the driver hand out first the candidates whose
+        kernels are already compiled. A TPE sample drawn here is the one ``next()`` would draw: it becomes
+        ``ahead``, which ``next()`` takes."""
+        if self.decision is not None:
+            return None
+        rnd = 0 if self.phase == "search" else 1
+        for cand in self.queue:
+            if (cand.family, cand.key, rnd) not in self.results:
+                return cand
+        if self.phase != "search" or self._search_over or self.in_flight:
+            return None
+        if self.ahead is None:
+            self.ahead = self._ask_tpe()
+        return self.ahead
+
     def next(self) -> Candidate | None:
         """The next candidate to measure, or None while waiting on results or when finished."""
         if self.decision is not None:
@@ -188,9 +210,7 @@ class ProblemSearch:
                 if (cand.family, cand.key, 0) not in self.results:
                     self._dispatch((cand.family, cand.key, 0))
                     return cand
-            search_over = (self.measured >= self.settings.budget or self.since_gain >= self.settings.patience
-                           or self.exhaustive or len(self.results) >= self.n_configs)
-            if not search_over:
+            if not self._search_over:
                 if self.in_flight:
                     return None  # TPE learns from each result: one candidate at a time
                 cand, self.ahead = self.ahead or self._ask_tpe(), None
