@@ -22,7 +22,8 @@ def main() -> None:
     ap.add_argument("--db", required=True)
     ap.add_argument("--gpus", type=int, default=1)
     ap.add_argument("--trial-timeout", type=float, default=60.0)
-    ap.add_argument("--compile-procs", type=int, default=0, help="CPU processes compiling candidates ahead")
+    ap.add_argument("--compile-procs", type=int, default=None,
+                    help="CPU processes compiling candidates ahead (default: k3tune sweep's)")
     args = ap.parse_args()
     sp = specs.load(args.spec)
     last = [0.0]

@@ -44,14 +44,46 @@ def test_gemm_default_numerics(name, m, n, k):
     _check(name, m, n, k)
 
 
-def test_smallm_whole_space_numerics():
+@pytest.fixture(scope="module")
+def farm():
+    """The sweep's compile farm on every core but two, into a private disk cache this process loads from: the
+    space tests below build ~1,300 kernels, ~5 minutes one at a time (loaded kernels are what sweep workers run)."""
+    import os
+    import tempfile
+
+    from k3tune.kernels import compile_cache
+    from k3tune.kernels.gemm_smallm import current_arch
+    from k3tune.search.compile_farm import CompileFarm
+
+    old = os.environ.get("K3TUNE_KERNEL_CACHE")
+    with tempfile.TemporaryDirectory() as d:
+        os.environ["K3TUNE_KERNEL_CACHE"] = d
+        compile_cache.install()
+        try:
+            with CompileFarm(max(1, (os.cpu_count() or 3) - 2), current_arch()) as f:
+                yield f
+        finally:
+            if old is None:
+                os.environ.pop("K3TUNE_KERNEL_CACHE")
+            else:
+                os.environ["K3TUNE_KERNEL_CACHE"] = old
+
+
+def _built_first(farm, name: str, p: Problem, cfgs: list) -> list:
+    for cfg in cfgs:
+        farm.submit(p, name, cfg.params())
+    farm.wait()  # a config the farm failed to build is built (and its failure raised) by the test itself
+    return cfgs
+
+
+def test_smallm_whole_space_numerics(farm):
     """Every config with programmatic dependent launch off, and every 8th with it on (the launch attribute and
     the L2 pull of the CTA's weight slice change no arithmetic; test_pdl_chain runs PDL chains)."""
     fam = family("gemm.smallm")
     for m, (n, k) in itertools.product((1, 3, 16), [(7168, 768), (280, 7168)]):
         p = Problem("kda.o_proj", "gemm", (("M", m), ("N", n), ("K", k)))
         pdl_on = [cfg for cfg in fam.configs(p) if cfg.pdl]
-        for cfg in [cfg for cfg in fam.configs(p) if not cfg.pdl] + pdl_on[::8]:
+        for cfg in _built_first(farm, fam.name, p, [cfg for cfg in fam.configs(p) if not cfg.pdl] + pdl_on[::8]):
             _check("gemm.smallm", m, n, k, cfg)
 
 
@@ -67,19 +99,18 @@ TC_SAMPLE = sorted({(1, wn, wk, tm, s, 128 if wk == 4 else 64, 3, rd, rd)
 
 
 @pytest.mark.parametrize("m,n,k", [(3, 280, 7168), (17, 7168, 768), (64, 1000, 1536)])
-def test_splitk_tc_space_sample_numerics(m, n, k):
+def test_splitk_tc_space_sample_numerics(farm, m, n, k):
     import torch
 
     from k3tune.kernels.gemm_splitk_tc import SplitKConfig
 
     fam = family("gemm.splitk_tc")
     p = Problem("kda.o_proj", "gemm", (("M", m), ("N", n), ("K", k)))
+    cfgs = [SplitKConfig(m_tiles=mt, warps_n=wn, warps_k=wk, tile_m=tm, split_k=s, bk=bk, stages=st, reduce=rd, pdl=pdl)
+            for mt, wn, wk, tm, s, bk, st, rd, pdl in TC_SAMPLE]
     checked = 0
-    for mt, wn, wk, tm, s, bk, st, rd, pdl in TC_SAMPLE:
-        cfg = SplitKConfig(m_tiles=mt, warps_n=wn, warps_k=wk, tile_m=tm, split_k=s, bk=bk, stages=st, reduce=rd,
-                           pdl=pdl)
-        if tm not in fam.space(p)["tile_m"] or not fam.valid(cfg, p):
-            continue
+    for cfg in _built_first(farm, fam.name, p, [c for c in cfgs
+                                                 if c.tile_m in fam.space(p)["tile_m"] and fam.valid(c, p)]):
         gen = torch.Generator(device="cuda").manual_seed(checked)
         inputs = fam.make_inputs(p, torch.device("cuda"), gen)
         run = fam.build(p, cfg)

@@ -144,6 +144,15 @@ def test_hand_out_gives_idle_workers_compiled_candidates_first():
     assert [pid for pid, _ in hand_out(fresh, 3)] == [0, 0, 0]  # no farm: claim order
 
 
+@pytest.mark.parametrize("cores,workers,procs", [(32, 1, 8), (32, 2, 16), (32, 16, 15), (2, 1, 0), (256, 16, 64)])
+def test_default_farm_size(monkeypatch, cores, workers, procs):
+    """Without --compile-procs the farm takes the cores the workers and the driver leave, at most 8 per GPU."""
+    from k3tune.search.compile_farm import default_procs
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
+    assert default_procs(workers) == procs
+
+
 @pytest.mark.parametrize("problem", [
     Problem("kda.qkvg_proj", "gemm", (("M", 16), ("N", 3072), ("K", 7168))),
     Problem("moe.block", "moe_block", (("tp", 16), ("M", 64), ("experts", 896), ("top_k", 16), ("latent", 3584),

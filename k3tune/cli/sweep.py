@@ -40,8 +40,9 @@ def sweep(
     trial_timeout: Annotated[float, typer.Option(help="Seconds before a hung candidate is killed (costs one trial).")] = 120.0,
     lease: Annotated[float, typer.Option(help="Seconds a claimed problem stays ours without renewal (scale-out).")] = 300.0,
     wait: Annotated[bool, typer.Option(help="Wait for problems other machines have claimed, taking over expired ones.")] = True,
-    compile_procs: Annotated[int, typer.Option(help="CPU processes compiling queued candidates ahead into the shared "
-                                                    "kernel cache (GPU sweeps; 0: each worker compiles its own).")] = 0,
+    compile_procs: Annotated[int | None, typer.Option(help="CPU processes compiling queued candidates ahead into the "
+                                                           "shared kernel cache (GPU sweeps; 0: each worker compiles "
+                                                           "its own; default: the free cores, at most 8 per GPU).")] = None,
     json: JsonOption = False,
 ) -> None:
     """Tune every problem of the deployment matrix and store every trial and the winners.
@@ -70,7 +71,7 @@ def sweep(
             raise HardwareError(f"--gpus {workers} asked for, but only {visible} GPU(s) are visible")
     if workers < 1:
         raise ConfigError("--gpus must be at least 1")
-    if compile_procs < 0:
+    if compile_procs is not None and compile_procs < 0:
         raise ConfigError("--compile-procs must be 0 or more")
     target = db_target(db)
     if "://" not in target and Path(target).resolve().parent == tuning_db_dir().resolve():

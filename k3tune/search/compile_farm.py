@@ -42,6 +42,14 @@ def _compile(problem: Problem, family: str, params: dict) -> str:
     return family
 
 
+def default_procs(workers: int) -> int:
+    """The farm's size when the user names none: every CPU core this process may use, less one per GPU worker
+    and one for the driver, at most 8 per worker (compiles outrun measurements well before that) and 64 in all
+    (each process holds a compiler in memory)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(0, min(cores - workers - 1, 8 * workers, 64))
+
+
 class CompileFarm:
     """``with CompileFarm(procs, arch) as farm: farm.submit(problem, family, params)``; duplicates are
     submitted once. ``procs`` 0 makes every call a no-op."""

@@ -23,7 +23,7 @@ from k3tune.plan import hardware, problems as plans
 from k3tune.plan.hardware import Fingerprint, HardwareSpec
 from k3tune.plan.model import ModelConfig
 from k3tune.plan.spec import SweepSpec
-from k3tune.search.compile_farm import CompileFarm
+from k3tune.search.compile_farm import CompileFarm, default_procs
 from k3tune.search.method import method_digest
 from k3tune.search.outcome import Task
 from k3tune.search.strategy import Candidate, ProblemSearch
@@ -48,7 +48,7 @@ class SweepOptions:
     wait_for_others: bool = True
     command: str = "k3tune sweep"
     progress: Callable[[SweepStats], None] | None = None
-    compile_procs: int = 0  # gpu: CPU processes compiling queued candidates ahead into the shared kernel cache
+    compile_procs: int | None = None  # gpu: CPU processes compiling candidates ahead (None: compile_farm.default_procs)
 
 
 @dataclass
@@ -208,7 +208,8 @@ def run_sweep(opt: SweepOptions) -> SweepStats:
         stats.problems_done += 1
         report(f"{p.key}: {d.family or 'no correct candidate'} {d.median_us:.2f} us")
 
-    farm = CompileFarm(opt.compile_procs if opt.backend == "gpu" else 0, current_arch())
+    procs = default_procs(opt.workers) if opt.compile_procs is None else opt.compile_procs
+    farm = CompileFarm(procs if opt.backend == "gpu" else 0, current_arch())
     worker_env = {"K3TUNE_WORKER_KERNEL_CACHE": "1"} if farm.procs else {}  # workers load what the farm built
     try:
         coll = {pid: d for pid, d in wanted.items() if by_id[pid].kind == "allreduce"}
