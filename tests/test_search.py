@@ -477,3 +477,21 @@ def test_off_knobs_do_not_outrank_the_safe_family():
                                                                        samples=9), seed=0)
     _drive(s, lambda c: 5.0)
     assert s.decision.params["pdl"] == 0
+
+
+def test_an_optional_feature_the_search_left_off_is_tried_on_at_the_leader():
+    """PDL is a two-valued off knob: when the leader has it off, its twin with it on is remeasured too and wins
+    if it pays beyond the noise (TPE sampled PDL on only where it hurt here); within the noise, off stays."""
+    p = Problem("kda.o_proj", "gemm", (("M", 4), ("N", 7168), ("K", 1536)))
+    fam = family("gemm.smallm")
+    for gain, expect_on in ((1.0, True), (0.001, False)):
+        def timing(c, g=gain):
+            base = 5.0 + 0.01 * c.params["rows_per_cta"]
+            if not c.params["pdl"]:
+                return base
+            return base - g if c.round == 1 else base + 1.0  # on: only the leader's twin pays
+        s = ProblemSearch(p, [fam], spec.SearchSettings(budget=12, patience=12, remeasure_top=2, samples=9), seed=0)
+        _drive(s, timing)
+        twins = [k for k in s.results if k[2] == 1 and '"pdl":1' in k[1]]
+        assert twins, "the leader's PDL twin was remeasured"
+        assert (s.decision.params["pdl"] == 1) == expect_on, (gain, s.decision.params)

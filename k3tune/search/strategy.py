@@ -229,10 +229,12 @@ class ProblemSearch:
             if safe is not None and safe.status == "ok" and safe not in finalists:
                 finalists.append(safe)
             self.queue = [Candidate(r.candidate.family, r.candidate.params, r.candidate.key, 1) for r in finalists]
-            if finalists:  # the leader with its optional features off: does the feature pay beyond noise?
-                plain = self._switched_off(finalists[0].candidate)
-                if plain is not None and (plain.family, plain.key) not in {(c.family, c.key) for c in self.queue}:
-                    self.queue.append(plain)
+            if finalists:  # the leader with its optional features off: does the feature pay beyond noise? And
+                # with its on/off features on: a feature TPE left off at the leader may pay there (ties keep it off)
+                lead = finalists[0].candidate
+                for twin in (self._switched_off(lead), self._switched_on(lead)):
+                    if twin is not None and (twin.family, twin.key) not in {(c.family, c.key) for c in self.queue}:
+                        self.queue.append(twin)
         if self.phase == "remeasure":
             while self.queue:
                 cand = self.queue.pop(0)
@@ -247,6 +249,22 @@ class ProblemSearch:
         """``cand`` with every knob of its family's ``off`` set to off (round 1), if that differs and is valid."""
         fam = self.fams[cand.family]
         changed = {k: v for k, v in fam.off.items() if k in cand.params and cand.params[k] != v}
+        if not changed:
+            return None
+        params = {**cand.params, **changed}
+        try:
+            cfg = fam.config_from_params(self.problem, params)
+        except CannotImplement:
+            return None
+        return Candidate(fam.name, params, params_key(params), 1) if fam.valid(cfg, self.problem) else None
+
+    def _switched_on(self, cand: Candidate) -> Candidate | None:
+        """``cand`` with every two-valued ``off`` knob that is off switched on (round 1), if that is valid. Knobs
+        with several on values (a prefetch size) are left to the search."""
+        fam = self.fams[cand.family]
+        space = self.space[cand.family]
+        changed = {k: next(v for v in space[k] if v != off) for k, off in fam.off.items()
+                   if cand.params.get(k) == off and len(space.get(k, ())) == 2}
         if not changed:
             return None
         params = {**cand.params, **changed}
