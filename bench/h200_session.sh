@@ -2,8 +2,9 @@
 # One device call on the lent H200: GPU tests, the measured dense sweep (resumable: its database lives in
 # .device/, carried between calls), the export to tuning_db/h200.sqlite, and bench/gemm.py.
 # Usage (device tool, carry [".carry", ".device"]):
-#   bash bench/h200_session.sh [tests] [probe] [sweep] [bench] [moetests] [moebench] [moesweep] [moeserved]
-# tests: TESTS_K selects (pytest -k); probe: bench/probe_gemm.py PROBE_ARGS; sweep: on SWEEP_GPUS GPUs (default 1)
+#   bash bench/h200_session.sh [tests] [probe] [sweep] [bench] [chain] [moetests] [moebench] [moesweep] [moeserved]
+# tests: TESTS_K selects (pytest -k); probe: bench/probe_gemm.py PROBE_ARGS; sweep: on SWEEP_GPUS GPUs (default 1);
+# chain: bench/chain.py (a decode layer's dense projections back to back) on CHAIN_DB
 # moeserved: the MoE sweep's winners merged into a copy of tuning_db/h200.sqlite, then bench/moe.py --served
 # moetc: the tensor-core expert kernels' GPU tests, then bench/moe_experts.py (MOE_EXPERTS_ARGS)
 # pack: last step: every output in one outputs.tgz (a call returns at most 8 files)
@@ -28,6 +29,8 @@ for step in "$@"; do
            cp .device/h200-sweep.sqlite $OUT/ ;;
     bench) timeout ${BENCH_S:-300} python3 bench/gemm.py --db .device/h200-sweep.sqlite --out $OUT/bench-gemm.json \
              ${BENCH_ARGS:-} 2>&1 | tee $OUT/bench-gemm.log | tail -40 ;;
+    chain) (cd bench && timeout ${BENCH_S:-300} python3 chain.py --db ../${CHAIN_DB:-tuning_db/h200.sqlite} \
+             --out $OUT/bench-chain.json ${CHAIN_ARGS:-}) 2>&1 | tee $OUT/bench-chain.log | tail -30 ;;
     moetests) timeout ${TESTS_S:-300} python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu_moe.py 2>&1 \
              | tee $OUT/gpu-moe-tests.log | tail -15 ;;
     moebench) (cd bench && timeout ${BENCH_S:-300} python3 moe.py --out $OUT/bench-moe.json ${MOE_ARGS:-}) 2>&1 \
