@@ -69,19 +69,24 @@ def main() -> None:
     ap.add_argument("--model", default="kimi_k3_bf16_experts.json", help="the model whose winners are served "
                     "(configs/; the moe.block winners are keyed by its expert format: bf16 experts by default, "
                     "like the comparison)")
+    ap.add_argument("--served-routing", choices=("uniform", "row"), default="uniform",
+                    help="served blocks tuned for uniform routing, or for each row's routing (K3TUNE_ROUTING: "
+                         "blocks tuned for it where the database has them, else uniform's, labelled so)")
     ap.add_argument("--served", action="store_true", help="also run the block as served: every knob from the "
                     "database's moe.block winner (MoEBlock.serve)")
     args = ap.parse_args()
     from k3tune.runtime.partition import shared_partition
 
     sh = BlockShape.from_config(configs_dir() / "kimi_k3_config.json")
-    sel = Selector.load(args.db, model=models.load(configs_dir() / args.model))
+    sel = Selector.load(args.db, model=models.load(configs_dir() / args.model), routing="uniform")
+    served_sel = {r: Selector.load(args.db, model=models.load(configs_dir() / args.model), routing=r)
+                  if args.served_routing == "row" else sel for r in args.routings.split(",")}
     sms_list = [int(v) for v in args.shared_sms.split(",")]
     pf_list = [int(v) for v in args.prefetch_mib.split(",")]
     splits = {n: shared_partition(n) for n in sms_list if n}  # shared experts on n SMs, routed on the rest
     even_sms = torch.cuda.get_device_properties(0).multi_processor_count // 2 // 8 * 8  # 64 of an H200's 132
     bw = copy_bandwidth()
-    print(f"# {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s, table {sel.hash}, collectives: "
+    print(f"# {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s, table {sel.hash}, served blocks tuned for {args.served_routing} routing, collectives: "
           f"{'emulated, no link time' if args.link == 'none' else 'emulated, stand-ins timed by ' + args.link + ' NVLink'}")
     rows = []
     for tp in (int(t) for t in args.tps.split(",")):
@@ -105,11 +110,12 @@ def main() -> None:
                     comm = EmulatedComm(tp) if args.link == "none" else EmulatedComm.for_target(args.link, tp)
                     try:
                         if path.startswith("served_"):
-                            knobs = served_knobs(sel, tp, batch, 0 if path == "served_serial" else even_sms)
-                            blocks = [MoEBlock.build(w, "tuned", batch=batch, selector=sel, comm=comm, **knobs)
+                            ssel = served_sel[routing]
+                            knobs = served_knobs(ssel, tp, batch, 0 if path == "served_serial" else even_sms)
+                            blocks = [MoEBlock.build(w, "tuned", batch=batch, selector=ssel, comm=comm, **knobs)
                                       for w in layers[fmt]]
                         else:
-                            blocks = [MoEBlock.serve(w, sel, batch, comm=comm) if path == "served" else
+                            blocks = [MoEBlock.serve(w, served_sel[routing], batch, comm=comm) if path == "served" else
                                       MoEBlock.build(w, path, batch=batch, selector=sel, prefetch_mib=pf,
                                                      shared_stream=splits[sms].shared.stream if sms else None,
                                                      routed_stream=splits[sms].rest.stream if sms else None,

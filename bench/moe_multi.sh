@@ -4,6 +4,7 @@
 #           (into .device/h200-moe.sqlite and .device/h200-moe-mxfp4.sqlite, copied to $OUT)
 #   sweep-bf16 / sweep-mxfp4   one of the two alone (on the same GPUs as in sweep), to run beside other work
 #   tests   the MoE GPU tests: tensor-core kernels on GPU 0, the block on GPU 1
+#   sweep-zipf both sweeps again under Zipf 1.2 routing (their own DBs), for SERVED_ROUTING=row
 #   served  the sweeps' winners merged with the shipped dense winners, then the served block benchmarked,
 #           bf16 on GPU 0 and MXFP4 on GPU 1 (each bench times only its own GPU)
 #   pack    every output in one archive (a call returns at most 8 files)
@@ -25,6 +26,10 @@ for step in "$@"; do
     sweep) sweep $(seq -s, 0 $((H - 1))) configs/sweep_h200_moe_bf16.toml .device/h200-moe.sqlite &
            sweep $(seq -s, $H $((N - 1))) configs/sweep_h200_moe_mxfp4.toml .device/h200-moe-mxfp4.sqlite &
            wait; grep -HE '"(trials|seconds|failed|problems_done)"' $OUT/*-sweep.log ;;
+    sweep-zipf) # the same two specs under Zipf 1.2 routing (served with --served-routing row)
+           sweep $(seq -s, 0 $((H - 1))) configs/sweep_h200_moe_bf16_zipf.toml .device/h200-moe-zipf.sqlite &
+           sweep $(seq -s, $H $((N - 1))) configs/sweep_h200_moe_mxfp4_zipf.toml .device/h200-moe-mxfp4-zipf.sqlite &
+           wait; grep -HE '"(trials|seconds|failed|problems_done)"' $OUT/*zipf-sweep.log ;;
     sweep-bf16) sweep $(seq -s, 0 $((H - 1))) configs/sweep_h200_moe_bf16.toml .device/h200-moe.sqlite ;;
     sweep-mxfp4) sweep $(seq -s, $H $((N - 1))) configs/sweep_h200_moe_mxfp4.toml .device/h200-moe-mxfp4.sqlite ;;
     tests) CUDA_VISIBLE_DEVICES=0 timeout ${TESTS_S:-200} python3 -m pytest -m gpu -q -p no:cacheprovider \
@@ -32,13 +37,15 @@ for step in "$@"; do
            CUDA_VISIBLE_DEVICES=1 timeout ${TESTS_S:-200} python3 -m pytest -m gpu -q -p no:cacheprovider \
              tests/test_gpu_moe.py > $OUT/gpu-moe-tests.log 2>&1 &
            wait; tail -n1 $OUT/gpu-moe-tc-tests.log $OUT/gpu-moe-tests.log ;;
-    served) python3 -c "from k3tune.store.db import Database; from k3tune.store.transfer import merge; \
+    served) python3 -c "import glob; from k3tune.store.db import Database; from k3tune.store.transfer import merge; \
              merge('.device/served.sqlite', [Database(p) for p in ['tuning_db/h200.sqlite', \
-             '.device/h200-moe.sqlite', '.device/h200-moe-mxfp4.sqlite']])"
+             *sorted(glob.glob('.device/h200-moe*.sqlite'))]])"
            (cd bench && CUDA_VISIBLE_DEVICES=0 timeout ${BENCH_S:-330} python3 moe.py --db ../.device/served.sqlite \
-             --served --out $OUT/bench-moe-served.json ${MOE_ARGS:-} > $OUT/bench-moe-served.log 2>&1) &
+             --served --served-routing ${SERVED_ROUTING:-uniform} --out $OUT/bench-moe-served.json ${MOE_ARGS:-} \
+             > $OUT/bench-moe-served.log 2>&1) &
            (cd bench && CUDA_VISIBLE_DEVICES=1 timeout ${BENCH_S:-330} python3 moe.py --db ../.device/served.sqlite \
-             --served --model kimi_k3_config.json --fmts mxfp4 --shared-sms 16 --prefetch-mib 0 \
+             --served --served-routing ${SERVED_ROUTING:-uniform} --model kimi_k3_config.json --fmts mxfp4 \
+             --shared-sms 16 --prefetch-mib 0 \
              --out $OUT/mxfp4/bench-moe-served-mxfp4.json > $OUT/mxfp4/bench-moe-served-mxfp4.log 2>&1) &
            wait; grep -v "^ \|^{\|^}" $OUT/bench-moe-served.log | cut -c1-60 | tail -3 ;;
     pack)  bash bench/h200_session.sh pack > /dev/null ;;

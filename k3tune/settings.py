@@ -13,6 +13,7 @@ class Settings:
     debug: bool  # K3TUNE_DEBUG=1: full tracebacks from the CLI
     hardware: str | None  # K3TUNE_HARDWARE: hardware name to assume when none is detected
     ci: bool  # CI=true: tests that need PostgreSQL fail instead of skipping
+    routing: str | None  # K3TUNE_ROUTING: the expert routing the served MoE block is tuned for (uniform, zipf:S, trace:F)
 
     @property
     def default_db(self) -> str:
@@ -29,4 +30,5 @@ def load() -> Settings:
         debug=_flag("K3TUNE_DEBUG"),
         hardware=os.environ.get("K3TUNE_HARDWARE") or None,
         ci=_flag("CI"),
+        routing=os.environ.get("K3TUNE_ROUTING") or None,
     )

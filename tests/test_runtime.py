@@ -117,3 +117,33 @@ def test_table_hash_agrees_across_loads_and_changes_with_content(smoke_db, tmp_p
     b = Selector.load(smoke_db, simulated="gb300")
     assert a.hash == b.hash
     assert Selector.load(tmp_path / "none.sqlite", simulated="gb300").hash != a.hash
+
+
+def test_the_block_serves_the_routing_it_is_told(smoke_db, tmp_path, monkeypatch):
+    """The MoE block's winners are keyed by the routing they were tuned under. Told a routing (argument or
+    K3TUNE_ROUTING), the selector serves blocks tuned for it; with none tuned for it, those tuned for uniform
+    routing, labelled so (never a heuristic default while a tuned block exists). Dense ops do not depend on it."""
+    import shutil
+
+    sel = Selector.load(smoke_db, simulated="gb300", routing="zipf:1.2")
+    c = sel.lookup("moe.block", tp=16, batch=8)
+    assert c.source == "tuned for uniform routing (simulated)" and c.approx
+    assert "routing=zipf:1.2" in c.problem and "routing=uniform" in c.tuned_problem
+    assert sel.lookup("kda.qkvg_proj", tp=16, batch=8, draft=1).source == "simulated"
+    monkeypatch.setenv("K3TUNE_ROUTING", "zipf:1.2")
+    assert Selector.load(smoke_db, simulated="gb300").lookup("moe.block", tp=16, batch=8).source == c.source
+    monkeypatch.delenv("K3TUNE_ROUTING")
+    with pytest.raises(ConfigError, match="zipf"):
+        Selector.load(smoke_db, simulated="gb300", routing="zipf:-1")
+
+    both = tmp_path / "both.sqlite"  # the same database plus blocks tuned under Zipf routing
+    shutil.copy(smoke_db, both)
+    db = store_db.open_db(both)
+    zipf = spec.from_dict({"matrix": {"tp": [16], "batch": [8], "ops": ["moe.block"], "routing": "zipf:1.2"},
+                           "buckets": {"tokens": [8], "batch": [8], "query_len": [1]},
+                           "search": {"budget": 4, "samples": 3, "remeasure_top": 1}})
+    run_sweep(SweepOptions(zipf, model.load(), db, "simulated", 1, hw=GB300))
+    db.dispose()
+    tuned = Selector.load(both, simulated="gb300", routing="zipf:1.2").lookup("moe.block", tp=16, batch=8)
+    assert tuned.source == "simulated" and tuned.problem == tuned.tuned_problem == c.problem
+    assert Selector.load(both, simulated="gb300").lookup("moe.block", tp=16, batch=8).tuned_problem == c.tuned_problem

@@ -13,6 +13,7 @@ parameters outside the declared space give defaults and a warning, never an exce
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import gc
 import hashlib
 import logging
@@ -23,6 +24,7 @@ from pathlib import Path
 from sqlalchemy import select
 from sqlalchemy.exc import SQLAlchemyError
 
+from k3tune import settings
 from k3tune.errors import CannotImplement, ConfigError, DatabaseError
 from k3tune.kernels import family as get_family
 from k3tune.kernels import op_digest, safe_default
@@ -104,15 +106,20 @@ class Selector:
     @classmethod
     def load(cls, db: str | os.PathLike | None = None, *, fingerprint: Fingerprint | None = None,
              simulated: str | None = None, measured_on: str | None = None, spec: specs.SweepSpec | None = None,
-             model: models.ModelConfig | None = None) -> Selector:
+             model: models.ModelConfig | None = None, routing: str | None = None) -> Selector:
         """Load winners for this hardware. ``simulated='gb300'`` serves that simulated hardware's winners
         (labelled simulated); ``measured_on='h200'`` the measured winners of that GPU found in ``db`` (to
-        inspect a database elsewhere); otherwise the detected GPU's measured winners (or ``fingerprint``'s)."""
+        inspect a database elsewhere); otherwise the detected GPU's measured winners (or ``fingerprint``'s).
+        ``routing`` (default ``$K3TUNE_ROUTING``, else the spec's): the expert routing the MoE block serves,
+        e.g. ``zipf:1.2``; blocks tuned for it are served, else those tuned for uniform routing (labelled so)."""
         gc_was_on = gc.isenabled()
         gc.disable()  # thousands of small objects, none cyclic: collections would only cost time
         try:
             if measured_on and db is not None:
                 fingerprint = _measured_fingerprint(db, hardware.spec(measured_on).name) or fingerprint
+            routing = routing or settings.load().routing
+            if routing:
+                spec = dataclasses.replace(spec or specs.load(), routing=routing)
             return cls._load(db, fingerprint, simulated, spec, model)
         finally:
             if gc_was_on:
@@ -203,6 +210,13 @@ class Selector:
             except CannotImplement:
                 continue
             return Choice(problem.op, fam, params, f"nearest bucket ({lab})", problem.key, p.key, median, approx=True)
+        routed = dict(problem.dims).get("routing")
+        if routed not in (None, "uniform"):  # no block tuned for this routing: the one tuned for uniform routing
+            alt = self._choose(plans.Problem(problem.op, problem.kind, tuple(
+                (k, "uniform" if k == "routing" else v) for k, v in problem.dims)))
+            if alt.tuned_problem is not None:
+                return Choice(problem.op, alt.family, alt.params, f"tuned for uniform routing ({alt.source})",
+                              problem.key, alt.tuned_problem, alt.median_us, approx=True)
         fam, cfg = safe_default(problem)
         return Choice(problem.op, fam.name, tuple(sorted(cfg.params().items())), "heuristic default", problem.key, None, None)
 
