@@ -19,7 +19,7 @@ import json
 import statistics
 
 import torch
-from gemm import copy_bandwidth  # bench/gemm.py (this script runs from bench/)
+from gemm import copy_bandwidth, floor_us  # bench/gemm.py (this script runs from bench/)
 
 from k3tune.kernels import family
 from k3tune.plan import model as models, problems as plans, spec as specs
@@ -81,7 +81,7 @@ def main() -> None:
                     off = {**params, **{k: v for k, v in fam.off.items() if k in params}}
                     plain.append((fam, p, fam.config_from_params(p, off) if off != params else cfg))
                     base.append((cublas, p, cublas.default_config(p)))
-                    floor += (p["N"] * p["K"] + m * p["K"] + m * p["N"]) * 2 / bw * 1e6
+                    floor += floor_us(p, bw)
                     picks.append(f"{op}:{fam.name}{'+pdl' if params.get('pdl') else ''}")
                 row = {"tp": tp, "layer": layer, "M": m, "floor_us": floor, "picks": picks,
                        "tuned": chain_time(tuned, args.samples), "tuned_nopdl": chain_time(plain, args.samples),

@@ -50,6 +50,12 @@ def copy_bandwidth() -> float:
     return 2 * (1 << 31) / statistics.median(times)
 
 
+def floor_us(problem, bw: float) -> float:
+    """Roofline floor of a dense problem: weights + activations + output bytes / copy bandwidth."""
+    m, n, k = problem["M"], problem["N"], problem["K"]
+    return (n * k + m * k + m * n) * 2 / bw * 1e6
+
+
 def inductor_run(problem):
     fn = torch.compile(lambda x, w: torch.matmul(x, w.t()), mode="max-autotune-no-cudagraphs", dynamic=False)
     return lambda inputs: fn(inputs["x"], inputs["w"])
@@ -111,7 +117,7 @@ def main() -> None:
                 fam = family(choice.family)
                 row = {"tp": tp, "op": op, "M": m, "N": p["N"], "K": p["K"], "choice": choice.family,
                        "params": dict(choice.params), "source": choice.source}
-                floor = (p["N"] * p["K"] + m * p["K"] + m * p["N"]) * 2 / bw * 1e6
+                floor = floor_us(p, bw)
                 row["floor_us"] = floor
                 row["cublas"] = measure(cublas.build(p, cublas.default_config(p)), cublas, p, args.samples)
                 cfg = fam.config_from_params(p, dict(choice.params)) if fam.can_implement(p) else None

@@ -16,7 +16,7 @@ import itertools
 import json
 
 import torch
-from gemm import copy_bandwidth, measure, profile_once  # bench/gemm.py (this script runs from bench/)
+from gemm import copy_bandwidth, floor_us, measure, profile_once  # bench/gemm.py (this script runs from bench/)
 
 from k3tune.errors import CannotImplement
 from k3tune.kernels import family
@@ -47,7 +47,7 @@ def main() -> None:
     for tp, op, m in itertools.product([int(t) for t in args.tps.split(",")], args.ops.split(","),
                                        [int(x) for x in args.ms.split(",")]):
         p = plans.Problem(op, "gemm", plans.OPS[op].dims(model, plans.Deployment(tp, m, 1, 0, 8192), sp))
-        floor = (p["N"] * p["K"] + m * p["K"] + m * p["N"]) * 2 / bw * 1e6
+        floor = floor_us(p, bw)
         if args.profile:
             profile(cublas, p, cublas.default_config(p), f"tp{tp}/{op}/M{m}/cublas")
             for knobs, _, cfg in configs(fam, p, grid):

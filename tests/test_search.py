@@ -325,26 +325,34 @@ def test_rerun_does_no_new_work_and_stale_params_are_refused(db_path):
     assert n_trials == first.trials
 
 
-def test_stored_trial_outside_space_is_never_launched(db_path):
-    """A stored trial whose params fall outside the declared space is refused, not fed to a worker."""
-    sp = spec.from_dict({"matrix": {"tp": [16], "batch": [1], "ops": ["kda.o_proj"]},
-                         "buckets": {"tokens": [1], "batch": [1], "query_len": [1]},
-                         "search": {"budget": 4, "samples": 3, "remeasure_top": 1}})
-    db = store_db.open_db(db_path)
-    p = Problem("kda.o_proj", "gemm", (("M", 1), ("N", 7168), ("K", 768)))
-    bogus = {"rows_per_cta": 3, "warps": 4, "split_k": 1, "unroll": 1, "pdl": 0}
+O_PROJ_M1 = Problem("kda.o_proj", "gemm", (("M", 1), ("N", 7168), ("K", 768)))
+O_PROJ_M1_SPEC = {"matrix": {"tp": [16], "batch": [1], "ops": ["kda.o_proj"]},
+                  "buckets": {"tokens": [1], "batch": [1], "query_len": [1]},
+                  "search": {"budget": 4, "samples": 3, "remeasure_top": 1}}
+
+
+def _store_trial(db, fam, params: dict, round_: int, median: float, method: str) -> None:
+    """One trial of O_PROJ_M1 recorded as an earlier simulated run would have."""
+    from k3tune.kernels import params_key
     from k3tune.store import records
     from k3tune.store.models import Backend, TrialStatus
 
     with db.session() as s:
         hw = records.hardware_id(s, hardware.simulated_fingerprint(GB300))
         sw = records.software_id(s, records.software_versions())
-        pid = records.problem_ids(s, [p])[p]
+        pid = records.problem_ids(s, [O_PROJ_M1])[O_PROJ_M1]
         run = records.start_run(s, command="t", backend=Backend.simulated, hw_id=hw, sw_id=sw, spec_digest="x")
         records.record_trials(s, run.id, hw, Backend.simulated, [records.TrialRecord(
-            pid, "gemm.smallm", family("gemm.smallm").digest, bogus, '{"pdl":0,"rows_per_cta":3,"split_k":1,"unroll":1,"warps":4}', 1,
-            TrialStatus.ok, 0.001, 0.0, 3, method=method_digest("simulated"))])
-    stats = run_sweep(_opts(db, sp))
+            pid, fam.name, fam.digest, params, params_key(params), round_, TrialStatus.ok, median, 0.0, 3,
+            method=method)])
+
+
+def test_stored_trial_outside_space_is_never_launched(db_path):
+    """A stored trial whose params fall outside the declared space is refused, not fed to a worker."""
+    db = store_db.open_db(db_path)
+    bogus = {"rows_per_cta": 3, "warps": 4, "split_k": 1, "unroll": 1, "pdl": 0}
+    _store_trial(db, family("gemm.smallm"), bogus, 1, 0.001, method_digest("simulated"))
+    stats = run_sweep(_opts(db, spec.from_dict(O_PROJ_M1_SPEC)))
     assert len(stats.refused) == 1 and "outside the declared space" in stats.refused[0]
     with db.session() as s:
         w = s.scalar(select(Winner))
@@ -356,26 +364,11 @@ def test_stored_trials_are_reused_only_when_timed_the_same_way(db_path, same_met
     """A stored trial of an unchanged kernel is reused only if the backend times the way it was timed; one timed
     another way (an older measurer) is neither reused nor overwritten: the sweep times that kernel afresh and
     records it beside the old row."""
-    from k3tune.kernels import params_key
-    from k3tune.store import records
-    from k3tune.store.models import Backend, TrialStatus
-
-    sp = spec.from_dict({"matrix": {"tp": [16], "batch": [1], "ops": ["kda.o_proj"]},
-                         "buckets": {"tokens": [1], "batch": [1], "query_len": [1]},
-                         "search": {"budget": 4, "samples": 3, "remeasure_top": 1}})
     db = store_db.open_db(db_path)
-    p = Problem("kda.o_proj", "gemm", (("M", 1), ("N", 7168), ("K", 768)))
     fam = family("gemm.cublas")
-    params = fam.default_config(p).params()
     method = method_digest("simulated") if same_method else "an-older-measurer"
-    with db.session() as s:
-        hw = records.hardware_id(s, hardware.simulated_fingerprint(GB300))
-        sw = records.software_id(s, records.software_versions())
-        pid = records.problem_ids(s, [p])[p]
-        run = records.start_run(s, command="t", backend=Backend.simulated, hw_id=hw, sw_id=sw, spec_digest="x")
-        records.record_trials(s, run.id, hw, Backend.simulated, [records.TrialRecord(
-            pid, fam.name, fam.digest, params, params_key(params), 0, TrialStatus.ok, 99.0, 0.1, 3, method=method)])
-    stats = run_sweep(_opts(db, sp))
+    _store_trial(db, fam, fam.default_config(O_PROJ_M1).params(), 0, 99.0, method)
+    stats = run_sweep(_opts(db, spec.from_dict(O_PROJ_M1_SPEC)))
     assert stats.reused == (1 if same_method else 0)
     with db.session() as s:
         rows = s.scalars(select(Trial).where(Trial.family == fam.name, Trial.round == 0)).all()

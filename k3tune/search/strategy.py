@@ -248,25 +248,21 @@ class ProblemSearch:
     def _switched_off(self, cand: Candidate) -> Candidate | None:
         """``cand`` with every knob of its family's ``off`` set to off (round 1), if that differs and is valid."""
         fam = self.fams[cand.family]
-        changed = {k: v for k, v in fam.off.items() if k in cand.params and cand.params[k] != v}
-        if not changed:
-            return None
-        params = {**cand.params, **changed}
-        try:
-            cfg = fam.config_from_params(self.problem, params)
-        except CannotImplement:
-            return None
-        return Candidate(fam.name, params, params_key(params), 1) if fam.valid(cfg, self.problem) else None
+        return self._twin(cand, {k: v for k, v in fam.off.items() if k in cand.params and cand.params[k] != v})
 
     def _switched_on(self, cand: Candidate) -> Candidate | None:
         """``cand`` with every two-valued ``off`` knob that is off switched on (round 1), if that is valid. Knobs
         with several on values (a prefetch size) are left to the search."""
-        fam = self.fams[cand.family]
         space = self.space[cand.family]
-        changed = {k: next(v for v in space[k] if v != off) for k, off in fam.off.items()
-                   if cand.params.get(k) == off and len(space.get(k, ())) == 2}
+        return self._twin(cand, {k: next(v for v in space[k] if v != off)
+                                 for k, off in self.fams[cand.family].off.items()
+                                 if cand.params.get(k) == off and len(space.get(k, ())) == 2})
+
+    def _twin(self, cand: Candidate, changed: dict) -> Candidate | None:
+        """``cand`` with the ``changed`` knobs, to remeasure (round 1); None if nothing changes or it is invalid."""
         if not changed:
             return None
+        fam = self.fams[cand.family]
         params = {**cand.params, **changed}
         try:
             cfg = fam.config_from_params(self.problem, params)
