@@ -7,12 +7,13 @@
 # processes compile queued candidates ahead into that cache (`--compile-procs`, implies the shared cache).
 # CPU_SHARE=1: each sweep gets the CPU cores of as many GPUs as it uses (the g-GPU sweep runs pinned to g/N of
 # the machine's cores, compiling with all of them but one per worker and one for the driver), as a node of g GPUs
-# would have; without it both sweeps share COMPILE_PROCS on the whole machine
+# would have; without it both sweeps share COMPILE_PROCS on the whole machine. RUNS="2" (or "1"): only those
+# GPU counts' sweeps, e.g. the N-GPU one in one call and the 1-GPU one beside other work pinned to the other cores
 set -uo pipefail
 source .carry/cutedsl/unpack.sh || exit 1
 N=${1:-2}; SPEC=${2:-configs/sweep_h200_scaling.toml}
 nvidia-smi --query-gpu=index,name,clocks.sm,temperature.gpu --format=csv | tee $OUT/gpu.txt
-for g in 1 $N; do
+for g in ${RUNS:-1 $N}; do
   export K3TUNE_KERNEL_CACHE=$(mktemp -d)
   PIN=""; PROCS=${COMPILE_PROCS:-0}
   if [ "${CPU_SHARE:-0}" = 1 ]; then

@@ -1,6 +1,7 @@
-"""Inputs, torch reference and byte counts shared by the dense decode GEMM families: y[M,N] = x[M,K] @ W[N,K]^T."""
+"""Inputs, torch reference, byte counts and the split-K reduce kernel shared by the dense decode GEMM families:
+y[M,N] = x[M,K] @ W[N,K]^T. (No ``from __future__ import annotations``: the DSL evaluates kernel annotations.)"""
 
-from __future__ import annotations
+import functools
 
 from k3tune.plan.problems import Problem
 
@@ -29,3 +30,40 @@ def make_inputs(problem: Problem, device, generator) -> dict:
 
 def reference(problem: Problem, inputs: dict):
     return inputs["x"].float() @ inputs["w"].float().t()
+
+
+@functools.cache
+def splitk_reduce():
+    """Base class of the split-K GEMM kernels: ``reduce`` sums the slices' fp32 partials ``ws[split, M, N]``
+    in slice order (deterministic) into bf16 ``y``, one output element per thread, 256 threads per CTA.
+    Subclasses set ``self.split`` and ``self.pdl``; defined on first use so that importing k3tune never
+    imports the DSL."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import BFloat16, Float32
+
+    class SplitKReduce:
+        @cute.jit
+        def launch_reduce(self, mWs: cute.Tensor, mY: cute.Tensor, stream):
+            total = mY.shape[0] * mY.shape[1]
+            self.reduce(mWs, mY).launch(grid=((total + 255) // 256, 1, 1), block=(256, 1, 1), stream=stream,
+                                        use_pdl=self.pdl)
+
+        @cute.kernel
+        def reduce(self, mWs: cute.Tensor, mY: cute.Tensor):
+            if cutlass.const_expr(self.pdl):
+                cute.arch.griddepcontrol_wait()  # the partials of the grid before (it triggered early)
+                cute.arch.griddepcontrol_launch_dependents()
+            tidx, _, _ = cute.arch.thread_idx()
+            bidx, _, _ = cute.arch.block_idx()
+            n = mY.shape[1]
+            idx = bidx * 256 + tidx
+            if idx < mY.shape[0] * n:
+                t = idx // n
+                r = idx % n
+                acc = Float32(0.0)
+                for z in cutlass.range_constexpr(self.split):
+                    acc = acc + mWs[z, t, r]
+                mY[t, r] = acc.to(BFloat16)
+
+    return SplitKReduce

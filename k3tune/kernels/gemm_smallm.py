@@ -166,7 +166,7 @@ def _kernel_class():
     from cutlass import BFloat16, Float32
     from cutlass.experimental.primitives import cp_async_bulk_prefetch
 
-    class SmallMGemvKernel:
+    class SmallMGemvKernel(gemm_common.splitk_reduce()):
         def __init__(self, m: int, rows: int, warps: int, split: int, unroll: int, pdl: int = 0):
             self.m, self.rows, self.warps, self.split, self.unroll = m, rows, warps, split, unroll
             self.pdl = bool(pdl)
@@ -178,9 +178,7 @@ def _kernel_class():
             self.kernel(mX, mW, mY, mWs).launch(grid=(n // self.rows, self.split, 1),
                                                 block=(self.warps * 32, 1, 1), stream=stream, use_pdl=self.pdl)
             if cutlass.const_expr(self.split > 1):
-                total = self.m * n
-                self.reduce(mWs, mY).launch(grid=((total + 255) // 256, 1, 1), block=(256, 1, 1), stream=stream,
-                                            use_pdl=self.pdl)
+                self.launch_reduce(mWs, mY, stream)
 
         @cute.kernel
         def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor, mWs: cute.Tensor):
@@ -241,22 +239,5 @@ def _kernel_class():
                     mY[mi, n0 + r] = s.to(BFloat16)
                 else:
                     mWs[bidy, mi, n0 + r] = s
-
-        @cute.kernel
-        def reduce(self, mWs: cute.Tensor, mY: cute.Tensor):
-            if cutlass.const_expr(self.pdl):
-                cute.arch.griddepcontrol_wait()  # the partials of the grid before (it triggered early)
-                cute.arch.griddepcontrol_launch_dependents()
-            tidx, _, _ = cute.arch.thread_idx()
-            bidx, _, _ = cute.arch.block_idx()
-            n = mY.shape[1]
-            idx = bidx * 256 + tidx
-            if idx < self.m * n:
-                mi = idx // n
-                ni = idx % n
-                s = Float32(0.0)
-                for j in cutlass.range_constexpr(self.split):  # fixed order: deterministic
-                    s = s + mWs[j, mi, ni]
-                mY[mi, ni] = s.to(BFloat16)
 
     return SmallMGemvKernel

@@ -237,7 +237,7 @@ def _kernel_class():
 
     VEC = 8
 
-    class SplitKTcKernel:
+    class SplitKTcKernel(gemm_common.splitk_reduce()):
         def __init__(self, m_tiles, warps_n, warps_k, tile_m, split, bk, stages, reduce, pdl):
             self.mt, self.wn, self.wk, self.nt = m_tiles, warps_n, warps_k, tile_m // 8
             self.tm, self.split, self.bk, self.stages = tile_m, split, bk, stages
@@ -260,9 +260,7 @@ def _kernel_class():
             self.kernel(mX, mW, mY, mWs, mCnt).launch(grid=grid, block=(self.threads, 1, 1), stream=stream,
                                                       use_pdl=self.pdl)
             if cutlass.const_expr(self.second):
-                total = m * n
-                self.reduce(mWs, mY).launch(grid=((total + 255) // 256, 1, 1), block=(256, 1, 1), stream=stream,
-                                            use_pdl=self.pdl)
+                self.launch_reduce(mWs, mY, stream)
 
         @cute.kernel
         def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor, mWs: cute.Tensor, mCnt: cute.Tensor):
@@ -366,25 +364,6 @@ def _kernel_class():
                         self._store(acc, mY, wrow0, tok0, g, c, m, n)
                     if tidx == 0:
                         mCnt[bidx, bidy] = Int32(0)
-
-        @cute.kernel
-        def reduce(self, mWs: cute.Tensor, mY: cute.Tensor):
-            """The slices' partials summed in slice order (deterministic), one output element per thread."""
-            if cutlass.const_expr(self.pdl):
-                cute.arch.griddepcontrol_wait()  # the partials of the grid before (it triggered early)
-                cute.arch.griddepcontrol_launch_dependents()
-            tidx, _, _ = cute.arch.thread_idx()
-            bidx, _, _ = cute.arch.block_idx()
-            m = mY.shape[0]
-            n = mY.shape[1]
-            idx = bidx * 256 + tidx
-            if idx < m * n:
-                t = idx // n
-                r = idx % n
-                acc = Float32(0.0)
-                for z in cutlass.range_constexpr(self.split):
-                    acc = acc + mWs[z, t, r]
-                mY[t, r] = acc.to(BFloat16)
 
         @cute.jit
         def _vec(self, ptr):
