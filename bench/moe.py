@@ -105,11 +105,15 @@ def main() -> None:
                 # shared experts serial (0 SMs) or on an even split (the SM-split bar compares against both)
                 variants += [(v, f, None, 0) for f in args.fmts.split(",") if args.served
                              for v in ("served", "served_serial", "served_even")]
+                if args.served and args.served_routing == "row" and routing != "uniform":  # both ways, one run
+                    variants += [("uniformtuned", f, None, 0) for f in args.fmts.split(",")]
                 for path, fmt, sms, pf in variants:
                     name = f"{path}_{fmt}" + ("" if sms is None else f"_sms{sms}_pf{pf}")
                     comm = EmulatedComm(tp) if args.link == "none" else EmulatedComm.for_target(args.link, tp)
                     try:
-                        if path.startswith("served_"):
+                        if path == "uniformtuned":  # the blocks tuned for uniform routing, served on this row's
+                            blocks = [MoEBlock.serve(w, sel, batch, comm=comm) for w in layers[fmt]]
+                        elif path.startswith("served_"):
                             ssel = served_sel[routing]
                             knobs = served_knobs(ssel, tp, batch, 0 if path == "served_serial" else even_sms)
                             blocks = [MoEBlock.build(w, "tuned", batch=batch, selector=ssel, comm=comm, **knobs)
@@ -137,7 +141,7 @@ def main() -> None:
                     rows.append(row)
                     continue
                 stock = row["stock_bf16"]["us"]
-                tuned = {k: v for k, v in row.items() if k.startswith(("tuned", "served")) and "us" in v}
+                tuned = {k: v for k, v in row.items() if k.startswith(("tuned", "served", "uniformtuned")) and "us" in v}
                 if not tuned:
                     continue
                 best = min(tuned, key=lambda k: tuned[k]["us"])
@@ -193,6 +197,8 @@ def summarize(rows: list[dict], sms_list: list[int], pf_list: list[int], fmt: st
                     "speedup": r["stock_bf16"]["us"] / min(tuned) if tuned else None,
                     "served_speedup": (r["stock_bf16"]["us"] / r[f"served_{fmt}"]["us"]
                                        if "us" in r.get(f"served_{fmt}", {}) else None),
+                    "uniformtuned_speedup": (r["stock_bf16"]["us"] / r[f"uniformtuned_{fmt}"]["us"]
+                                             if "us" in r.get(f"uniformtuned_{fmt}", {}) else None),
                     "served_roof": (r[f"served_{fmt}"]["floor_us"] / r[f"served_{fmt}"]["us"]
                                     if "us" in r.get(f"served_{fmt}", {}) else None),
                     "served_split_beats_serial_and_even": _beats(r, f"served_{fmt}", f"served_serial_{fmt}",
