@@ -148,5 +148,6 @@ def test_shipped_h200_database_is_current():
     from k3tune.shipped import configs_dir, tuning_db_dir
 
     for spec in ("sweep_h200_dense.toml", "sweep_h200_moe_bf16.toml", "sweep_h200_moe_mxfp4.toml",
+                 "sweep_h200_moe_bf16_zipf.toml", "sweep_h200_moe_mxfp4_zipf.toml",  # blocks tuned for Zipf 1.2
                  "sweep_h200x2_allreduce.toml", "sweep_h200x4_allreduce.toml"):  # the all-reduce on 2 and 4 GPUs
         assert main(["db", "verify", str(tuning_db_dir() / "h200.sqlite"), "--spec", str(configs_dir() / spec)]) == 0
