@@ -21,7 +21,7 @@ for g in ${RUNS:-1 $N}; do
     echo "gpus=$g: cores 0-$((share - 1)), $PROCS compile processes"
   fi
   $PIN timeout ${SWEEP_S:-120} python3 bench/device_sweep.py --spec $SPEC --db $OUT/gpus$g.sqlite --gpus $g --compile-procs $PROCS \
-    > $OUT/gpus$g.log 2>&1; echo "gpus=$g rc=$?"; grep -E '"(trials|seconds|failed|problems_done|workers_replaced|workers_ready_s|first_result_s)"' $OUT/gpus$g.log
+    > $OUT/gpus$g.log 2>&1; echo "gpus=$g rc=$?"; grep -E '"(trials|seconds|failed|problems_done|workers_replaced|workers_ready_s|first_result_s|pool_started_s|ready_s|backend_s)"' $OUT/gpus$g.log
 done
 if [ "${KILL:-1}" = 1 ]; then  # KILL=0: the throughput runs only
 export K3TUNE_KERNEL_CACHE=$(mktemp -d)

@@ -255,6 +255,10 @@ def test_cpu_sweep_records_failures_and_still_picks_a_correct_winner(monkeypatch
     assert stats.problems_done == 1 and not stats.no_winner
     assert 0 < stats.first_result_s <= stats.seconds, "start-up is reported by phase"
     assert stats.workers_ready_s is None or 0 < stats.workers_ready_s <= stats.seconds
+    assert 0 <= stats.pool_started_s <= stats.seconds
+    if stats.workers_ready_s is not None:  # each worker's start, and its backend's share of it
+        assert [w["slot"] for w in stats.worker_startup] == [0, 1]
+        assert all(0 <= w["backend_s"] <= w["ready_s"] for w in stats.worker_startup)
     with db.session() as s:
         status = dict(s.execute(select(Trial.params_key, Trial.status).where(Trial.round == 0)).all())
         w = s.scalar(select(Winner))

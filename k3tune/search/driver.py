@@ -69,6 +69,8 @@ class SweepStats:
     seconds: float = 0.0
     workers_ready_s: float | None = None  # from the sweep's start until every worker first reported ready
     first_result_s: float | None = None  # until the first measured trial came back
+    pool_started_s: float | None = None  # until the workers' processes were started (planning, database)
+    worker_startup: list[dict] = field(default_factory=list)  # per worker: spawn to ready, of which backend
     run_id: int = 0
 
 
@@ -221,6 +223,7 @@ def run_sweep(opt: SweepOptions) -> SweepStats:
             wanted = {pid: d for pid, d in wanted.items() if pid not in coll}
         with WorkerPool(opt.workers if wanted else 0, backend_spec, opt.trial_timeout_s,
                         pin_gpus=opt.backend == "gpu", env=worker_env) as pool:
+            stats.pool_started_s = time.monotonic() - t_start
             # while the workers start: every problem's known candidates to the farm, in claim order
             farm.submit_known([by_id[pid] for pid in wanted], opt.backend, opt.spec.search,
                               lambda p: [(f, prm) for _, f, prm in near_winners(p)])
@@ -255,6 +258,7 @@ def run_sweep(opt: SweepOptions) -> SweepStats:
                 results = pool.poll(timeout=0.5)
                 if stats.workers_ready_s is None and pool.all_ready():
                     stats.workers_ready_s = time.monotonic() - t_start
+                    stats.worker_startup = pool.startup()
                 if results and stats.first_result_s is None:
                     stats.first_result_s = time.monotonic() - t_start
                 stats.workers_replaced = pool.replaced

@@ -45,12 +45,13 @@ def make_backend(spec: tuple):
 
 def worker_main(conn: Connection, backend_spec: tuple) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when workers stop
+    t0 = time.monotonic()
     try:
         backend = make_backend(backend_spec)
     except Exception as e:  # report why the worker cannot serve, then exit
         conn.send(("error", f"{type(e).__name__}: {e}"))
         return
-    conn.send(("ready", os.getpid()))
+    conn.send(("ready", os.getpid(), time.monotonic() - t0))  # seconds its backend took to start (CUDA init)
     while True:
         try:
             task = conn.recv()
@@ -76,6 +77,8 @@ class _Slot:
     start_failures: int = 0  # consecutive
     retired: str | None = None  # why this slot's GPU was given up
     started: float = field(default_factory=time.monotonic)
+    ready_after: float | None = None  # seconds from the process start until it reported ready
+    backend_s: float | None = None  # of which its backend's start (the rest: spawn and imports)
 
 
 class WorkerPool:
@@ -149,6 +152,10 @@ class WorkerPool:
     def idle(self) -> list[int]:
         return [s.index for s in self.slots if s.ready and s.task is None]
 
+    def startup(self) -> list[dict]:
+        """Per slot, how its current worker's start went: seconds until ready, and the backend's share."""
+        return [{"slot": s.index, "ready_s": s.ready_after, "backend_s": s.backend_s} for s in self.slots]
+
     def all_ready(self) -> bool:
         """Every slot that has not been retired has a worker that reported ready (and may be busy)."""
         return all(s.ready for s in self.slots if not s.retired)
@@ -185,6 +192,8 @@ class WorkerPool:
                 continue
             if msg[0] == "ready":
                 slot.ready, slot.start_failures = True, 0
+                slot.ready_after = time.monotonic() - slot.started
+                slot.backend_s = msg[2]
             elif msg[0] == "error":
                 self._start_failed(slot, f"cannot start: {msg[1]}")
             else:
