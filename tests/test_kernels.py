@@ -59,6 +59,21 @@ def test_params_outside_space_refused():
         f.config_from_params(big, {"rows_per_cta": 4, "warps": 4, "split_k": 2, "unroll": 1, "pdl": 0})
 
 
+def test_counting_configs_stops_past_a_limit():
+    """A sweep asks, for every problem at its start, whether a space fits the search budget: the count stops
+    at the first valid config past the limit (an answer above the limit only means "more"), and equals the full
+    count when the limit is not reached; a partial count is never remembered as the full one."""
+    from k3tune.kernels import count_configs
+
+    p = problems.Problem("mla.q_a", "gemm", (("M", 16), ("N", 768), ("K", 7168)))
+    fams = [family("gemm.splitk_tc"), family("gemm.smallm")]
+    assert count_configs(p, fams, limit=20) == 21
+    full = count_configs(p, fams)
+    assert full == sum(1 for f in fams for _ in f.configs(p)) > 21
+    assert count_configs(p, fams, limit=full) == full
+    assert count_configs(p, fams, limit=20) > 20, "once known, the full count answers (it is more than 20)"
+
+
 def test_op_digest_depends_on_backend_and_is_stable():
     assert op_digest("kda.o_proj", "gpu") == op_digest("kda.o_proj", "gpu")
     assert op_digest("kda.o_proj", "gpu") != op_digest("kda.o_proj", "simulated")

@@ -110,13 +110,21 @@ class KernelFamily:
             if self.valid(cfg, problem):
                 yield cfg
 
-    def config_count(self, problem: Problem) -> int:
-        """How many valid configs the problem has (enumerated once per problem and family, then remembered:
-        a sweep asks again when the search opens, after the compile farm asked at the start)."""
+    def config_count(self, problem: Problem, limit: int | None = None) -> int:
+        """How many valid configs the problem has (enumerated once per problem and family, then remembered).
+        With ``limit``, enumeration stops at the first config past it: the answer is then only "more than
+        ``limit``" (not remembered) — a sweep asks whether a space fits its budget for every problem at its
+        start, and listing a tensor-core space took ~50 ms per problem."""
         cache = self.__dict__.setdefault("_count_cache", {})
-        if problem not in cache:
-            cache[problem] = sum(1 for _ in self.configs(problem))
-        return cache[problem]
+        if problem in cache:
+            return cache[problem]
+        n = 0
+        for _ in self.configs(problem):
+            n += 1
+            if limit is not None and n > limit:
+                return n
+        cache[problem] = n
+        return n
 
     def space_size(self, problem: Problem) -> int:
         return math.prod(len(v) for v in self.cached_space(problem).values())
@@ -180,8 +188,16 @@ class KernelFamily:
         return hashlib.sha256(src.encode()).hexdigest()[:16]
 
 
-def count_configs(problem: Problem, families: list[KernelFamily]) -> int:
+def count_configs(problem: Problem, families: list[KernelFamily], limit: int | None = None) -> int:
     """Valid configs over the families, enumerated only where the declared spaces are small enough to list; a
-    larger declared space is counted, never listed (a block's joint space runs to billions of points)."""
+    larger declared space is counted, never listed (a block's joint space runs to billions of points). With
+    ``limit``, any answer above it only means "more than ``limit``" (the enumeration stops there)."""
     declared = sum(f.space_size(problem) for f in families)
-    return sum(f.config_count(problem) for f in families) if declared <= ENUMERATE_LIMIT else declared
+    if declared > ENUMERATE_LIMIT:
+        return declared
+    total = 0
+    for f in families:
+        total += f.config_count(problem, None if limit is None else limit - total)
+        if limit is not None and total > limit:
+            break
+    return total

@@ -78,7 +78,7 @@ def known_candidates(problem: Problem, families: list[KernelFamily], settings: S
                 seeds.append((f, f.config_from_params(problem, adapted)))
             except CannotImplement:
                 pass  # a neighbour's winner may not fit this problem
-    if count_configs(problem, families) <= settings.budget:  # listed only when the search will measure them all
+    if count_configs(problem, families, limit=settings.budget) <= settings.budget:  # listed only when the search will measure them all
         seeds += [(f, c) for f in families for c in f.configs(problem)]
     queue, seen = [], set()
     for f, c in seeds:
@@ -106,8 +106,8 @@ class ProblemSearch:
         self._dispatched: list[tuple[str, str, int]] = []  # handed out, not yet absorbed, in order
         self._arrived: dict[tuple[str, str, int], tuple] = {}  # results waiting for an earlier one
         self.space = {f.name: f.cached_space(self.problem) for f in self.families}
-        self.n_configs = count_configs(self.problem, self.families)
-        self.exhaustive = self.n_configs <= self.settings.budget
+        # whether the known queue lists the whole space (counting stops past the budget: see count_configs)
+        self.exhaustive = count_configs(self.problem, self.families, limit=self.settings.budget) <= self.settings.budget
         self.asks = 0
         self.best = math.inf
         self.since_gain = 0
@@ -181,7 +181,12 @@ class ProblemSearch:
     @property
     def _search_over(self) -> bool:
         return (self.measured >= self.settings.budget or self.since_gain >= self.settings.patience
-                or self.exhaustive or len(self.results) >= self.n_configs)
+                or self.exhaustive or self._space_measured())
+
+    def _space_measured(self) -> bool:
+        """Every valid config has a result (possible only past the budget, with stored trials reused)."""
+        n = len(self.results)
+        return n > self.settings.budget and count_configs(self.problem, self.families, limit=n) <= n
 
     def upcoming(self) -> Candidate | None:
         """The candidate ``next()`` would hand out now, without handing it out (None where ``next()`` would
