@@ -2,7 +2,6 @@
 the first compiled instead of compiling it; entries are whole files; a corrupt entry is recompiled and
 replaced; 'off' disables it; the key changes with the knobs."""
 
-import os
 import warnings
 
 import pytest
@@ -173,7 +172,7 @@ def test_the_farm_is_given_every_problems_known_candidates_at_the_start(cache, m
     from k3tune.kernels import families_for
     from k3tune.plan.problems import Problem
     from k3tune.plan.spec import SearchSettings
-    from k3tune.search.compile_farm import FARM_NICE, FARMED, CompileFarm
+    from k3tune.search.compile_farm import FARMED, CompileFarm
     from k3tune.search.strategy import ProblemSearch
 
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
@@ -185,7 +184,6 @@ def test_the_farm_is_given_every_problems_known_candidates_at_the_start(cache, m
     with CompileFarm(0, "sm_90a") as off:
         assert off.submit_known(probs, "gpu", settings, lambda p: []) == 0
     with CompileFarm(2, "sm_90a") as farm:
-        assert farm.pool.submit(os.nice, 0).result() >= FARM_NICE, "the farm yields the CPU to the workers"
         assert farm.submit_known(probs, "gpu", settings, lambda p: []) == len(farmed)
         assert farm.submit_known(probs, "gpu", settings, lambda p: []) == 0, "each candidate once"
         assert farm.wait() == (len(farmed), 0)

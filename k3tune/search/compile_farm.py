@@ -27,11 +27,9 @@ from k3tune.plan.problems import Problem
 FARMED = frozenset({"gemm.smallm", "gemm.splitk_tc"})
 
 
-FARM_NICE = 10  # the farm compiles ahead on spare cycles: the workers (and the driver) come first
-
-
 def _init(arch: str) -> None:
-    os.nice(FARM_NICE)  # a measured sweep's workers took 17-27 s to start beside a full-priority farm
+    # not niced: a worker that needs a kernel the farm is building waits on that build (the cache's per-entry
+    # lock), so a niced farm slowed the workers (measured on 2 H200s: 76 s of worker time in builds vs 46 s)
     os.environ.setdefault("CUTE_DSL_ARCH", arch)
     from k3tune.kernels import compile_cache
 
