@@ -27,7 +27,7 @@ import torch
 from k3tune.kernels import family
 from k3tune.plan import model as models, problems as plans, spec as specs
 from k3tune.runtime import Selector
-from k3tune.search.measure_gpu import rotation_sets, time_graph
+from k3tune.search.measure_gpu import time_rounds
 from k3tune.search.outcome import relative_error
 
 DENSE_OPS = [n for n, o in plans.OPS.items() if o.kind == "gemm"]
@@ -75,26 +75,19 @@ def profile_once(step, name: str) -> None:
 
 
 def measure(run, fam, problem, samples: int, rounds: int = 1) -> dict:
-    """``rounds`` independent allocations of the inputs (each round's buffers are held until the last is timed,
-    so every round lands on fresh memory), ``samples`` replays split among them. Where the weights sit in HBM
-    moves some shapes' times by up to ~10% (bench/alloc_spread.py), which one graph's replays never show: the
-    median over the rounds' medians is reported, the rounds' range is the run-to-run spread. Variants of one
-    problem are measured one after another, so round r of each reuses the same freed blocks (paired)."""
-    held, medians, iqrs, err = [], [], [], None
-    for r in range(rounds):
-        gen = torch.Generator(device="cuda").manual_seed(1234 + r)
-        inputs = fam.make_inputs(problem, torch.device("cuda"), gen)
-        if r == 0:  # correctness once, on a poisoned output
-            if "out" in inputs:
-                inputs["out"].fill_(float("nan"))
-            err = relative_error(run(inputs), fam.reference(problem, inputs))
-        sets = rotation_sets(fam, problem, inputs, gen)
-        held.append(sets)
-        t = sorted(time_graph(run, sets, max(3, samples // rounds)))
-        q = statistics.quantiles(t, n=4)
-        medians.append(statistics.median(t))
-        iqrs.append(q[2] - q[0])
-    iqr, rng = statistics.median(iqrs), max(medians) - min(medians)
+    """Correctness once (poisoned output), then ``samples`` replays over ``rounds`` independent allocations of
+    the weights (measure_gpu.time_rounds, as the sweep's measurer does). The median over the rounds' medians is
+    reported and the rounds' range is the run-to-run spread. Variants of one problem are measured one after
+    another, so round r of each reuses the blocks round r of the previous one freed (paired)."""
+    gen = torch.Generator(device="cuda").manual_seed(1234)
+    inputs = fam.make_inputs(problem, torch.device("cuda"), gen)
+    if "out" in inputs:
+        inputs["out"].fill_(float("nan"))
+    err = relative_error(run(inputs), fam.reference(problem, inputs))
+    per_round = [sorted(t) for t in time_rounds(run, fam, problem, inputs, gen, samples, rounds)]
+    medians = [statistics.median(t) for t in per_round]
+    iqr = statistics.median(q[2] - q[0] for q in (statistics.quantiles(t, n=4) for t in per_round))
+    rng = max(medians) - min(medians)
     return {"us": statistics.median(medians), "iqr": iqr, "range": rng, "spread": max(iqr, rng),
             "rounds_us": medians, "err": err}
 

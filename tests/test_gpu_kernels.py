@@ -196,6 +196,39 @@ def test_measurer_runs_the_tensor_core_kernel():
     assert gemm_splitk_tc.compiled.cache_info().misses == before + 1
 
 
+def test_measurer_times_each_trial_on_independent_allocations():
+    """A dense trial is timed on ALLOC_ROUNDS allocations of its weight copies, each on fresh memory (the
+    earlier rounds' buffers are held), ``samples`` replays split among them; a trial records every replay."""
+    import torch
+
+    from k3tune.search import measure_gpu
+    from k3tune.search.measure_gpu import ALLOC_ROUNDS, GpuBackend, alloc_rounds, time_rounds
+
+    p = Problem("kda.o_proj", "gemm", (("M", 2), ("N", 7168), ("K", 1536)))
+    fam = family("gemm.cublas")
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    inputs = fam.make_inputs(p, torch.device("cuda"), gen)
+    assert alloc_rounds(fam, p, inputs) == ALLOC_ROUNDS > 1
+    seen = []
+    real = measure_gpu.rotation_sets
+
+    def spy(f, prob, base, g):
+        sets = real(f, prob, base, g)
+        seen.append({s["w"].data_ptr() for s in sets})
+        return sets
+
+    measure_gpu.rotation_sets = spy
+    try:
+        per_round = time_rounds(fam.build(p, fam.default_config(p)), fam, p, inputs, gen, 9, ALLOC_ROUNDS)
+    finally:
+        measure_gpu.rotation_sets = real
+    assert [len(t) for t in per_round] == [3] * ALLOC_ROUNDS and all(x > 0 for t in per_round for x in t)
+    assert len(seen) == ALLOC_ROUNDS and len(set().union(*seen)) == sum(map(len, seen)), "rounds share no buffer"
+    assert inputs["w"].data_ptr() in seen[0], "round 0 times the inputs' own weights"
+    out = GpuBackend().measure(Task(1, p, "gemm.cublas", {}, 0, 9))
+    assert out.status == "ok" and out.samples == 9
+
+
 def test_attention_baselines_on_gpu():
     import torch
 
