@@ -132,26 +132,39 @@ def run_sweep(opt: SweepOptions) -> SweepStats:
         tunable = [p for p in tunable if p.kind != "allreduce" or p["group"] <= opt.workers]
     if not tunable:
         raise ConfigError(f"nothing to tune on the {opt.backend} backend for spec {opt.spec.name}")
-    digests = {op: op_digest(op, opt.backend) for op in {p.op for p in tunable}}
-    fam_digests = {f.name: f.digest for f in FAMILIES.values()}
-    method = method_digest(opt.backend)  # trials timed another way are neither reused nor overwritten
+    backend_spec = ("simulated", opt.hw.key, opt.spec.search.seed) if opt.backend == "simulated" else (opt.backend,)
+    procs = default_procs(opt.workers) if opt.compile_procs is None else opt.compile_procs
+    farm = CompileFarm(procs if opt.backend == "gpu" else 0, current_arch())  # spawns on its first submit
+    worker_env = {"K3TUNE_WORKER_KERNEL_CACHE": "1"} if farm.procs else {}  # workers load what the farm built
+    pool = WorkerPool(opt.workers, backend_spec, opt.trial_timeout_s, pin_gpus=opt.backend == "gpu", env=worker_env)
+    if not any(p.kind == "allreduce" for p in tunable):  # collectives come first, on these GPUs: not beside workers
+        pool.start()  # now, while the database is set up: a worker's imports and CUDA start take seconds
+        stats.pool_started_s = time.monotonic() - t_start
+    try:
+        digests = {op: op_digest(op, opt.backend) for op in {p.op for p in tunable}}
+        fam_digests = {f.name: f.digest for f in FAMILIES.values()}
+        method = method_digest(opt.backend)  # trials timed another way are neither reused nor overwritten
 
-    with opt.db.session() as s:
-        hw_id = records.hardware_id(s, fp)
-        sw_id = records.software_id(s, records.software_versions())
-        pids = records.problem_ids(s, tunable)
-        run = records.start_run(s, command=opt.command, backend=label, hw_id=hw_id, sw_id=sw_id,
-                                spec_digest=opt.spec.digest())
-        run_id, owner = run.id, run.owner
-    wanted = {pids[p]: digests[p.op] for p in tunable}
-    by_id = {pids[p]: p for p in tunable}
-    with opt.db.session() as s:
-        records.plan_claims(s, hw_id, label, wanted)
-        records.release_dead_local_claims(s, hw_id, label)
-        stats.problems_total = len(wanted)
-        stats.problems_done_before = len(wanted) - records.remaining(s, hw_id, label, wanted)
-        won = s.execute(select(Winner.problem_id, Winner.family, Winner.params)
-                        .where(Winner.hardware_id == hw_id, Winner.backend == label)).all()
+        with opt.db.session() as s:
+            hw_id = records.hardware_id(s, fp)
+            sw_id = records.software_id(s, records.software_versions())
+            pids = records.problem_ids(s, tunable)
+            run = records.start_run(s, command=opt.command, backend=label, hw_id=hw_id, sw_id=sw_id,
+                                    spec_digest=opt.spec.digest())
+            run_id, owner = run.id, run.owner
+        wanted = {pids[p]: digests[p.op] for p in tunable}
+        by_id = {pids[p]: p for p in tunable}
+        with opt.db.session() as s:
+            records.plan_claims(s, hw_id, label, wanted)
+            records.release_dead_local_claims(s, hw_id, label)
+            stats.problems_total = len(wanted)
+            stats.problems_done_before = len(wanted) - records.remaining(s, hw_id, label, wanted)
+            won = s.execute(select(Winner.problem_id, Winner.family, Winner.params)
+                            .where(Winner.hardware_id == hw_id, Winner.backend == label)).all()
+    except BaseException:
+        pool.close()
+        farm.close()
+        raise
     stats.run_id = run_id
     neighbours: dict[str, list[tuple[plans.Problem, str, dict]]] = {}
     for pid, fam, params in won:
@@ -162,7 +175,6 @@ def run_sweep(opt: SweepOptions) -> SweepStats:
     task_of: dict[int, tuple[int, Candidate]] = {}
     next_task = 0
     status = "failed"
-    backend_spec = ("simulated", opt.hw.key, opt.spec.search.seed) if opt.backend == "simulated" else (opt.backend,)
     target_active = max(4, 2 * opt.workers)
     last_renew = time.monotonic()
 
@@ -210,9 +222,6 @@ def run_sweep(opt: SweepOptions) -> SweepStats:
         stats.problems_done += 1
         report(f"{p.key}: {d.family or 'no correct candidate'} {d.median_us:.2f} us")
 
-    procs = default_procs(opt.workers) if opt.compile_procs is None else opt.compile_procs
-    farm = CompileFarm(procs if opt.backend == "gpu" else 0, current_arch())
-    worker_env = {"K3TUNE_WORKER_KERNEL_CACHE": "1"} if farm.procs else {}  # workers load what the farm built
     try:
         coll = {pid: d for pid, d in wanted.items() if by_id[pid].kind == "allreduce"}
         if coll:  # collectives first, on a group of this sweep's GPUs (no one-GPU worker can run them)
@@ -221,9 +230,11 @@ def run_sweep(opt: SweepOptions) -> SweepStats:
             if got:
                 _tune_collectives([by_id[pid] for pid in got], pids, opt, hw_id, run_id, label, digests, stats, report)
             wanted = {pid: d for pid, d in wanted.items() if pid not in coll}
-        with WorkerPool(opt.workers if wanted else 0, backend_spec, opt.trial_timeout_s,
-                        pin_gpus=opt.backend == "gpu", env=worker_env) as pool:
-            stats.pool_started_s = time.monotonic() - t_start
+        if not wanted:
+            pool.close()  # nothing left to measure (the workers were started early, in vain)
+        with pool:
+            if stats.pool_started_s is None:
+                stats.pool_started_s = time.monotonic() - t_start
             # while the workers start: every problem's known candidates to the farm, in claim order
             farm.submit_known([by_id[pid] for pid in wanted], opt.backend, opt.spec.search,
                               lambda p: [(f, prm) for _, f, prm in near_winners(p)])
@@ -292,6 +303,7 @@ def run_sweep(opt: SweepOptions) -> SweepStats:
         raise
     finally:
         farm.close()
+        pool.close()
         try:
             with opt.db.session() as s:
                 if status != "done":

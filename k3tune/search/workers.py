@@ -91,11 +91,18 @@ class WorkerPool:
         self.slots = [_Slot(i) for i in range(n)]
         self.replaced = 0
         self.retired: list[str] = []
+        self._started = False
+
+    def start(self) -> WorkerPool:
+        """Start every slot's worker (once: a pool started early is not started again by ``with``)."""
+        if not self._started:
+            self._started = True
+            for s in self.slots:
+                self._start(s)
+        return self
 
     def __enter__(self) -> WorkerPool:
-        for s in self.slots:
-            self._start(s)
-        return self
+        return self.start()
 
     def __exit__(self, *exc) -> None:
         self.close()
@@ -211,6 +218,8 @@ class WorkerPool:
         return done
 
     def close(self) -> None:
+        """Stop every worker; a closed pool is never started (again)."""
+        self._started = True
         for s in self.slots:
             try:
                 if s.conn is not None and s.proc is not None and s.proc.is_alive():
