@@ -175,7 +175,10 @@ def run_sweep(opt: SweepOptions) -> SweepStats:
     task_of: dict[int, tuple[int, Candidate]] = {}
     next_task = 0
     status = "failed"
-    target_active = max(4, 2 * opt.workers)
+    # problems searched at once: each has at most one candidate the farm builds ahead (its next TPE sample), so
+    # with fewer open problems than farm processes the farm idles while workers wait on builds (a 2-GPU dense
+    # sweep: a third of each worker's time inside builds, with 29 farm processes and 4 open problems)
+    target_active = max(4, 2 * opt.workers, farm.procs)
     last_renew = time.monotonic()
 
     def report(msg: str = "") -> None:
