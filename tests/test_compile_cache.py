@@ -188,3 +188,26 @@ def test_the_farm_is_given_every_problems_known_candidates_at_the_start(cache, m
         assert farm.submit_known(probs, "gpu", settings, lambda p: []) == 0, "each candidate once"
         assert farm.wait() == (len(farmed), 0)
     assert {f.name.split("-")[0] for f in cache.glob("*.o")} == {c.family.replace(".", "_") for c in farmed}
+
+
+def test_candidates_wanted_now_overtake_the_known_backlog(cache, monkeypatch):
+    """The known candidates of every problem wait in a backlog that feeds the farm only while fewer than
+    ``depth`` builds are queued; a candidate wanted now (an open problem's next one) is built at once, ahead of
+    them (on 2 H200s, TPE samples queued behind ~1600 known builds held the workers up)."""
+    from k3tune.kernels import params_key
+    from k3tune.plan.problems import Problem
+    from k3tune.plan.spec import SearchSettings
+    from k3tune.search.compile_farm import CompileFarm
+
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    probs = [Problem("kda.o_proj", "gemm", (("M", m), ("N", 7168), ("K", 768))) for m in (1, 2)]
+    settings = SearchSettings(budget=6, patience=3)
+    with CompileFarm(1, "sm_90a", depth=1) as farm:
+        n = farm.submit_known(probs, "gpu", settings, lambda p: [])
+        assert n >= 3 and len(farm.futures) == 1 and len(farm.backlog) == n - 1
+        last_key = list(farm.backlog)[-1]
+        p, fam, params = farm.backlog[last_key]
+        assert farm.submit(p, fam, params) and last_key in farm.futures and last_key not in farm.backlog
+        assert not farm.submit(p, fam, params), "once"
+        assert farm.wait() == (n, 0) and not farm.backlog
+    assert last_key == (p.key, fam, params_key(params))

@@ -269,6 +269,7 @@ def run_sweep(opt: SweepOptions) -> SweepStats:
                             farm.submit(by_id[pid], search.ahead.family, search.ahead.params)
                         if search.finished:
                             finish(pid, active.pop(pid))
+                farm.top_up()  # known candidates of later problems, as builds finish
                 results = pool.poll(timeout=0.5)
                 if stats.workers_ready_s is None and pool.all_ready():
                     stats.workers_ready_s = time.monotonic() - t_start
