@@ -81,7 +81,8 @@ def known_candidates(problem: Problem, families: list[KernelFamily], settings: S
                 seeds.append((f, f.config_from_params(problem, adapted)))
             except CannotImplement:
                 pass  # a neighbour's winner may not fit this problem
-    if count_configs(problem, families, limit=settings.budget) <= settings.budget:  # listed only when the search will measure them all
+    # listed only when the search will measure them all
+    if count_configs(problem, families, limit=settings.budget) <= settings.budget:
         seeds += [(f, c) for f in families for c in f.configs(problem)]
     queue, seen = [], set()
     for f, c in seeds:
@@ -195,8 +196,9 @@ class ProblemSearch:
                 if r.candidate.family not in best or r.median_us < best[r.candidate.family][0]:
                     best[r.candidate.family] = (r.median_us, r.candidate.params)
         others = sorted((f for f in self.families if f is not fam), key=lambda f: best.get(f.name, (math.inf,))[0])
-        for f, base in [(fam, params)] + [(f, best[f.name][1] if f.name in best else f.default_config(self.problem).params())
-                                          for f in others]:
+        bases = [(fam, params)] + [(f, best[f.name][1] if f.name in best else f.default_config(self.problem).params())
+                                   for f in others]
+        for f, base in bases:
             near = self._repair(f, base)
             if near is not None:
                 self.study.enqueue_trial({"family": f.name, **{f"{f.name}:{k}": v for k, v in near.items()}})
@@ -211,7 +213,8 @@ class ProblemSearch:
             return None
         for i in range(REPAIR_TRIES + REPAIR_RANDOM):
             near = dict(params)
-            changed = names if i >= REPAIR_TRIES else self._rng.sample(names, min(len(names), 1 + 3 * i // REPAIR_TRIES))
+            changed = (names if i >= REPAIR_TRIES
+                       else self._rng.sample(names, min(len(names), 1 + 3 * i // REPAIR_TRIES)))
             for k in changed:
                 near[k] = self._rng.choice(list(space[k]))
             near = fam.canonical(near)
