@@ -19,6 +19,7 @@ a failed or slow compile here only means the worker compiles it itself (and reco
 
 from __future__ import annotations
 
+import math
 import os
 from concurrent.futures import Future, ProcessPoolExecutor
 
@@ -107,8 +108,12 @@ class CompileFarm:
         if self.pool is None:
             return 0
         self._queued = {f for f in self._queued if not f.done()}
+        return self._feed(self.depth)
+
+    def _feed(self, depth: float) -> int:
+        """Start backlog builds in order while fewer than ``depth`` are queued; how many."""
         n = 0
-        while self.backlog and len(self._queued) < self.depth:
+        while self.backlog and len(self._queued) < depth:
             key = next(iter(self.backlog))
             self._start(key, *self.backlog.pop(key))
             n += 1
@@ -143,9 +148,8 @@ class CompileFarm:
     def wait(self) -> tuple[int, int]:
         """Build everything submitted and in the backlog, and block until done: (done, failed). For tests and
         reports."""
-        while self.backlog:
-            key = next(iter(self.backlog))
-            self._start(key, *self.backlog.pop(key))
+        if self.pool is not None:
+            self._feed(math.inf)
         failed = 0
         for f in self.futures.values():
             try:

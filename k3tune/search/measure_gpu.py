@@ -36,10 +36,14 @@ def _l2_bytes() -> int:
     return int(getattr(props, "L2_cache_size", 50 << 20))
 
 
+def _weight_bytes(inputs: dict, names) -> int:
+    return sum(inputs[n].numel() * inputs[n].element_size() for n in names)
+
+
 def rotation_sets(fam, problem, inputs: dict, generator) -> list[dict]:
     """Copies of the inputs with distinct weights, enough that their bytes exceed L2 several times."""
     names = fam.weight_names(problem)
-    wbytes = sum(inputs[n].numel() * inputs[n].element_size() for n in names)
+    wbytes = _weight_bytes(inputs, names)
     if not names or wbytes == 0:
         return [inputs]
     n = max(1, math.ceil(ROTATE_L2_FACTOR * _l2_bytes() / wbytes))
@@ -55,7 +59,7 @@ def alloc_rounds(fam, problem, inputs: dict) -> int:
     """How many allocation rounds a trial gets: ALLOC_ROUNDS where its weights are small enough to make again
     cheaply, else 1 (and 1 where it has no weights to move)."""
     names = fam.weight_names(problem)
-    wbytes = sum(inputs[n].numel() * inputs[n].element_size() for n in names)
+    wbytes = _weight_bytes(inputs, names)
     if not names or wbytes == 0:
         return 1
     return ALLOC_ROUNDS if max(wbytes, ROTATE_L2_FACTOR * _l2_bytes()) <= ROUNDS_MAX_BYTES else 1
