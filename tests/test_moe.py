@@ -210,3 +210,23 @@ def test_the_block_search_never_measures_one_kernel_under_two_names():
     tc = {**a, "experts_kernel": "tensor_core"}
     assert fam.canonical({**tc, "w13_rows": 8}) == fam.canonical(tc)
     assert fam.valid(fam.config_from_params(p, fam.canonical(b)), p)
+
+
+def test_every_trial_of_a_block_problem_routes_the_same_tokens_to_the_same_experts():
+    """Which experts a step selects decides the bytes it reads: trials of one block problem are compared on one
+    routing draw (fixed by the problem), with fresh weights each; another problem draws its own."""
+    from k3tune.kernels import family
+    from k3tune.plan.problems import Problem
+
+    def problem(routing):
+        return Problem("moe.block", "moe_block", (("tp", 2), ("M", 8), ("experts", 32), ("top_k", 4), ("latent", 64),
+                                                  ("inter", 32), ("shared_inter", 32), ("hidden", 128),
+                                                  ("format", "bf16"), ("routing", routing)))
+
+    fam = family("moe.overlap")
+    p = problem("zipf:1.2")
+    a, b = (fam.make_inputs(p, torch.device("cpu"), torch.Generator().manual_seed(s)) for s in (1, 2))
+    assert torch.equal(a["top"], b["top"])
+    assert not torch.equal(a["x"], b["x"])
+    other = fam.make_inputs(problem("uniform"), torch.device("cpu"), torch.Generator().manual_seed(1))
+    assert not torch.equal(a["top"], other["top"])

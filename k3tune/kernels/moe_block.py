@@ -80,7 +80,11 @@ class _BlockOnGpu:
         shape = block_shape(problem)
         seed = int(torch.randint(0, 1 << 30, (1,), generator=generator, device=generator.device).item())
         w = random_weights(shape, problem["tp"], fmt=str(problem["format"]), device=device, seed=seed)
-        ids = routing.sample(str(problem["routing"]), shape.experts, shape.top_k, problem["M"], random.Random(seed))
+        # one routing draw per problem, the same for every trial: which experts (how many, how many tokens each)
+        # decides the bytes read, so trials on different draws were not comparable (skewed routing at batch 8
+        # touches 60-90 experts draw to draw); the weights stay fresh per trial
+        ids = routing.sample(str(problem["routing"]), shape.experts, shape.top_k, problem["M"],
+                             random.Random(problem.key))
         x = torch.randn(problem["M"], shape.hidden, device=device, generator=generator).to(torch.bfloat16)
         return {"x": x, "weights": w, "top": torch.tensor(ids, device=device, dtype=torch.int32)}
 
