@@ -8,13 +8,20 @@ blocks straight back), while a sweep times each trial on its own allocation in w
 times depend on the physical placement of the weights, the spread across rounds here is the run-to-run spread
 that a single run's interquartile range does not show. Each round keeps its buffers alive so the next round
 gets fresh memory. Prints per-variant medians per round, their range, and the within-round IQR.
+
+Probes of why a sweep's worker times differ from this fresh process's: ``--idle-ms`` leaves the GPU idle before
+each timing (its clocks drop as they would while a worker waits on a build), ``--warmup-ms`` replays that long
+before timing, ``--fragment N`` allocates and frees N tensors of mixed sizes first (a long-lived worker's
+allocator), ``--extra family:json`` adds a variant with given params (e.g. a config a sweep picked).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -32,11 +39,20 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--samples", type=int, default=9)
     ap.add_argument("--out", default="alloc-spread.json")
+    ap.add_argument("--idle-ms", type=float, default=0.0)
+    ap.add_argument("--warmup-ms", type=float, default=0.0)
+    ap.add_argument("--fragment", type=int, default=0)
+    ap.add_argument("--extra", action="append", default=[], help="family:json params, e.g. gemm.smallm:{...}")
     args = ap.parse_args()
     sp, model = specs.load(), models.load()
     sel = Selector.load(args.db, spec=sp, model=model)
     print(f"# {torch.cuda.get_device_name()}, db {args.db}, table {sel.hash}")
     cublas = family("gemm.cublas")
+    keep, rng = [], random.Random(0)
+    for i in range(args.fragment):  # a long-lived worker's allocator: mixed sizes, half of them still held
+        t = torch.empty(rng.choice([1, 3, 17, 90, 400]) << 18, dtype=torch.uint8, device="cuda")
+        if i % 2:
+            keep.append(t)
     report = []
     for item in args.problems.split(","):
         tp, op, m = item.split(":")
@@ -47,6 +63,9 @@ def main() -> None:
         fam = family(choice.family)
         if fam.name != "gemm.cublas":
             variants[f"tuned:{fam.name}"] = (fam, fam.config_from_params(p, dict(choice.params)))
+        for ex in args.extra:
+            name, params = ex.split(":", 1)
+            variants[f"extra:{name}"] = (family(name), family(name).config_from_params(p, json.loads(params)))
         runs = {name: f.build(p, cfg) for name, (f, cfg) in variants.items()}
         held, per = [], {name: [] for name in variants}
         for r in range(args.rounds):
@@ -55,7 +74,10 @@ def main() -> None:
                 inputs = f.make_inputs(p, torch.device("cuda"), gen)
                 sets = rotation_sets(f, p, inputs, gen)
                 held.append(sets)  # keep this round's memory so the next round lands elsewhere
-                t = sorted(time_graph(runs[name], sets, args.samples))
+                if args.idle_ms:
+                    torch.cuda.synchronize()
+                    time.sleep(args.idle_ms / 1e3)
+                t = sorted(time_graph(runs[name], sets, args.samples, warmup_ms=args.warmup_ms))
                 q = statistics.quantiles(t, n=4)
                 per[name].append({"us": statistics.median(t), "iqr": q[2] - q[0],
                                   "w_ptr": hex(sets[0][f.weight_names(p)[0]].data_ptr())})

@@ -434,7 +434,8 @@ class MoEBlock:
             y = self.comm.all_gather(y)
         scores, latent = y[:, :shape.experts], y[:, shape.experts:]
         if self._cache["experts"] == "cute":
-            normed = self._cute_routed(y.contiguous(), latent.contiguous())
+            # the kernels take the latent as a strided view of the gathered rows (no copy)
+            normed = self._cute_routed(y.contiguous(), latent)
         else:
             top, weights = self._route(scores, w.bias, shape, self.force_top)
             self.last_top = top

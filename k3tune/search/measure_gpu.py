@@ -143,9 +143,10 @@ class GpuBackend:
         return summarize([t for r in per_round for t in r], compile_s=compile_s)
 
 
-def time_graph(run, sets: list[dict], samples: int) -> list[float]:
+def time_graph(run, sets: list[dict], samples: int, warmup_ms: float = 0.0) -> list[float]:
     """Per-launch times (us) of ``run``: a CUDA graph of many launches cycling through the rotation sets,
-    warmed up, then replayed ``samples`` times between CUDA events."""
+    warmed up (WARMUP_REPLAYS replays, then more until ``warmup_ms`` have passed), then replayed ``samples``
+    times between CUDA events."""
     import torch
 
     launches = max(MIN_LAUNCHES, len(sets))
@@ -163,6 +164,10 @@ def time_graph(run, sets: list[dict], samples: int) -> list[float]:
     for _ in range(WARMUP_REPLAYS):
         graph.replay()
     torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    while (time.perf_counter() - t0) * 1e3 < warmup_ms:
+        graph.replay()
+        torch.cuda.synchronize()
     times = []
     for _ in range(samples):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
