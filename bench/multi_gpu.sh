@@ -6,22 +6,30 @@
 # starts from an empty cache directory, so the 1- and N-GPU runs compile alike); COMPILE_PROCS=P: P CPU
 # processes compile queued candidates ahead into that cache (`--compile-procs`, implies the shared cache).
 # CPU_SHARE=1: each sweep gets the CPU cores of as many GPUs as it uses (the g-GPU sweep runs pinned to g/N of
-# the machine's cores, compiling with all of them but one per worker and one for the driver), as a node of g GPUs
-# would have; without it both sweeps share COMPILE_PROCS on the whole machine. RUNS="2" (or "1"): only those
-# GPU counts' sweeps, e.g. the N-GPU one in one call and the 1-GPU one beside other work pinned to the other cores
+# the machine's physical cores with their sibling threads, bench/cpu_share.py, compiling with all of those threads
+# but one per worker and one for the driver), as a node of g GPUs would have; without it both sweeps share
+# COMPILE_PROCS on the whole machine. RUNS="2" (or "1", or "2 1"): which GPU counts' sweeps, in that order, e.g. the
+# N-GPU one in one call and the 1-GPU one beside other work pinned to the other cores. WARM=1: a short untimed sweep
+# on every GPU first (session 9: whichever timed sweep ran first on a fresh machine was the slower one)
 set -uo pipefail
 source .carry/cutedsl/unpack.sh || exit 1
 N=${1:-2}; SPEC=${2:-configs/sweep_h200_scaling.toml}
 nvidia-smi --query-gpu=index,name,clocks.sm,temperature.gpu --format=csv | tee $OUT/gpu.txt
+python3 bench/cpu_share.py --describe | tee -a $OUT/gpu.txt
+if [ "${WARM:-0}" = 1 ]; then
+  K3TUNE_KERNEL_CACHE=$(mktemp -d) timeout ${WARM_S:-40} python3 bench/device_sweep.py --spec configs/sweep_h200_scaling.toml \
+    --db $(mktemp -d)/warm.sqlite --gpus $N > /dev/null 2>&1; echo "warm-up sweep rc=$?"
+fi
 for g in ${RUNS:-1 $N}; do
   export K3TUNE_KERNEL_CACHE=$(mktemp -d)
   PIN=""; PROCS=${COMPILE_PROCS:-0}
   if [ "${CPU_SHARE:-0}" = 1 ]; then
-    share=$(( $(nproc) * g / N )); PIN="taskset -c 0-$((share - 1))"; PROCS=$((share - g - 1))
-    echo "gpus=$g: cores 0-$((share - 1)), $PROCS compile processes"
+    cpus=$(python3 bench/cpu_share.py $g $N); share=$(echo $cpus | tr ',' '\n' | wc -l)
+    PIN="taskset -c $cpus"; PROCS=$((share - g - 1))
+    echo "gpus=$g: CPUs $cpus, $PROCS compile processes"
   fi
   $PIN timeout ${SWEEP_S:-120} python3 bench/device_sweep.py --spec $SPEC --db $OUT/gpus$g.sqlite --gpus $g --compile-procs $PROCS \
-    > $OUT/gpus$g.log 2>&1; echo "gpus=$g rc=$?"; grep -E '"(trials|seconds|failed|problems_done|workers_replaced|workers_ready_s|first_result_s|pool_started_s|ready_s|backend_s)"' $OUT/gpus$g.log
+    > $OUT/gpus$g.log 2>&1; echo "gpus=$g rc=$?"; grep -E '"(trials|seconds|failed|problems_done|workers_replaced|workers_ready_s|first_result_s|pool_started_s|ready_s|backend_s|polished|polish_passes|polish_changed)"' $OUT/gpus$g.log
 done
 if [ "${KILL:-1}" = 1 ]; then  # KILL=0: the throughput runs only
 export K3TUNE_KERNEL_CACHE=$(mktemp -d)

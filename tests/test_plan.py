@@ -63,6 +63,12 @@ def test_bad_spec_values(matrix, msg):
         spec.from_dict(_spec(**matrix))
 
 
+def test_polish_passes_must_not_be_negative():
+    with pytest.raises(ConfigError, match="polish >= 0"):
+        spec.from_dict({**_spec(), "search": {"polish": -1}})
+    assert spec.from_dict({**_spec(), "search": {"polish": 0}}).search.polish == 0
+
+
 def test_malformed_toml(tmp_path):
     p = tmp_path / "bad.toml"
     p.write_text("[matrix\ntp = [8")

@@ -27,6 +27,8 @@ class SearchSettings:
     remeasure_top: int = 3  # the best few are measured again before a winner is chosen
     samples: int = 15  # timing samples per trial
     seed: int = 0
+    polish: int = 8  # at most this many passes after the search, each trying on every problem the winners of its
+    # nearest neighbours not yet tried there, until none is left (0: off; simulated H200 dense spec: 5 passes)
 
 
 @dataclass(frozen=True)
@@ -119,8 +121,10 @@ def from_dict(raw: dict, name: str = "spec") -> SweepSpec:
         search = SearchSettings(**{k: int(v) for k, v in s.items()})
     except (TypeError, ValueError):
         raise ConfigError(f"{where}: [search] values must be integers") from None
-    if search.budget < 1 or search.samples < 3 or search.patience < 1 or search.remeasure_top < 1:
-        raise ConfigError(f"{where}: [search] needs budget >= 1, samples >= 3, patience >= 1, remeasure_top >= 1")
+    if (search.budget < 1 or search.samples < 3 or search.patience < 1 or search.remeasure_top < 1
+            or search.polish < 0):
+        raise ConfigError(f"{where}: [search] needs budget >= 1, samples >= 3, patience >= 1, remeasure_top >= 1, "
+                          f"polish >= 0")
     ops = m.get("ops")
     if ops is not None and (not isinstance(ops, list) or not all(isinstance(o, str) for o in ops)):
         raise ConfigError(f"{where}: 'ops' must be a list of op names")

@@ -4,10 +4,17 @@ The parent process owns the searches and the database; workers only measure. Eve
 committed at once, so ``kill -9`` of the sweep loses only the trials in flight, and running it again resumes
 from the stored trials without measuring anything twice. Problems are claimed through the database, so
 several machines can share one sweep (PostgreSQL) without overlap; a dead owner's claims are taken over.
+
+Once every problem is decided, polish passes (``[search] polish``) try on each problem the winners of its
+nearest neighbours (same op; other M, other TP) that it has not tried, without TPE, then remeasure and decide
+again: a search of a few dozen trials can miss a config that won next door (H200 dense sweep, session 9: a
+tensor-core config at 3.9 us for M = 8 while M = 4 and 16 kept cuBLAS at 5.6). Each pass is planned from the
+stored winners alone, so it is the same for any worker count and on every machine sharing the sweep.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import platform
 import time
@@ -17,7 +24,7 @@ from dataclasses import dataclass, field
 from sqlalchemy import select
 
 from k3tune.errors import ConfigError, HardwareError
-from k3tune.kernels import FAMILIES, families_for, op_digest
+from k3tune.kernels import FAMILIES, families_for, op_digest, params_key
 from k3tune.kernels.gemm_smallm import current_arch
 from k3tune.plan import hardware, problems as plans
 from k3tune.plan.hardware import Fingerprint, HardwareSpec
@@ -26,7 +33,7 @@ from k3tune.plan.spec import SweepSpec
 from k3tune.search.compile_farm import CompileFarm, default_procs
 from k3tune.search.method import method_digest
 from k3tune.search.outcome import Task
-from k3tune.search.strategy import Candidate, ProblemSearch
+from k3tune.search.strategy import Candidate, ProblemSearch, known_candidates
 from k3tune.search.workers import WorkerPool
 from k3tune.store import records
 from k3tune.store.db import Database
@@ -71,6 +78,9 @@ class SweepStats:
     first_result_s: float | None = None  # until the first measured trial came back
     pool_started_s: float | None = None  # until the workers' processes were started (planning, database)
     worker_startup: list[dict] = field(default_factory=list)  # per worker: spawn to ready, of which backend
+    polished: int = 0  # problems searched again because a neighbour's winner had not been tried on them
+    polish_changed: int = 0  # of those, how many chose another kernel
+    polish_passes: int = 0
     run_id: int = 0
 
 
@@ -90,6 +100,9 @@ def fingerprint_for(backend: str, hw: HardwareSpec | None) -> Fingerprint:
 def _neighbour_distance(a: plans.Problem, b: plans.Problem) -> float:
     return sum(abs(math.log(max(1, x[1])) - math.log(max(1, y[1]))) for x, y in zip(a.dims, b.dims)
                if isinstance(x[1], int) and isinstance(y[1], int)) + sum(1 for x, y in zip(a.dims, b.dims) if x != y and not isinstance(x[1], int))
+
+
+POLISH_NEIGHBOURS = 4  # a polish pass tries the winners of this many nearest problems of the same op
 
 
 def hand_out(active: dict[int, ProblemSearch], n_idle: int,
@@ -159,19 +172,27 @@ def run_sweep(opt: SweepOptions) -> SweepStats:
             records.release_dead_local_claims(s, hw_id, label)
             stats.problems_total = len(wanted)
             stats.problems_done_before = len(wanted) - records.remaining(s, hw_id, label, wanted)
-            won = s.execute(select(Winner.problem_id, Winner.family, Winner.params)
-                            .where(Winner.hardware_id == hw_id, Winner.backend == label)).all()
     except BaseException:
         pool.close()
         farm.close()
         raise
     stats.run_id = run_id
     neighbours: dict[str, list[tuple[plans.Problem, str, dict]]] = {}
-    for pid, fam, params in won:
-        if pid in by_id:
-            neighbours.setdefault(by_id[pid].op, []).append((by_id[pid], fam, params))
+
+    def load_neighbours() -> None:
+        """Every stored winner of this hardware and backend (stale ones too: a suggestion, re-measured)."""
+        with opt.db.session() as s:
+            won = s.execute(select(Winner.problem_id, Winner.family, Winner.params)
+                            .where(Winner.hardware_id == hw_id, Winner.backend == label)).all()
+        neighbours.clear()
+        for pid, fam, params in won:
+            if pid in by_id:
+                neighbours.setdefault(by_id[pid].op, []).append((by_id[pid], fam, params))
+
+    load_neighbours()
 
     active: dict[int, ProblemSearch] = {}
+    incumbent: dict[int, tuple[str, dict]] = {}  # polished problems: the search's choice before polishing
     task_of: dict[int, tuple[int, Candidate]] = {}
     next_task = 0
     status = "failed"
@@ -187,8 +208,47 @@ def run_sweep(opt: SweepOptions) -> SweepStats:
         if opt.progress:
             opt.progress(stats)
 
+    polishing = False  # a polish pass: more neighbours' winners, no TPE
+
     def near_winners(p: plans.Problem) -> list[tuple[plans.Problem, str, dict]]:
-        return sorted(neighbours.get(p.op, []), key=lambda n: _neighbour_distance(n[0], p))[:2]
+        """The problem's own stored winners (of older kernel versions) and those of the nearest others."""
+        mine = [n for n in neighbours.get(p.op, []) if n[0] == p]
+        others = sorted((n for n in neighbours.get(p.op, []) if n[0] != p), key=lambda n: _neighbour_distance(n[0], p))
+        return mine + others[:POLISH_NEIGHBOURS if polishing else 2]
+
+    def current_winners(pids: set[int]) -> dict[int, tuple[str, dict]]:
+        with opt.db.session() as s:
+            rows = s.execute(select(Winner.problem_id, Winner.op_digest, Winner.family, Winner.params).where(
+                Winner.hardware_id == hw_id, Winner.backend == label, Winner.problem_id.in_(pids))).all()
+        return {pid: (fam, params) for pid, d, fam, params in rows if wanted_all.get(pid) == d}
+
+    base_of: dict[int, set] = {}
+
+    def polish_plan(scope: set[int]) -> dict[int, str]:
+        """The problems of ``scope`` on which a neighbour's winner has not been tried, under one claim key for
+        the pass (a digest of what it will try: the same on every machine sharing the sweep, so they share the
+        pass). From winners only, after every problem is decided: the same whatever the worker count. A problem
+        whose winner was timed another way (an older method, so not among its trials) is left alone: the new
+        candidates could not be compared with it."""
+        untried: dict[int, list] = {}
+        won = current_winners(scope)
+        for pid in sorted(scope):
+            p = by_id[pid]
+            fams = families_for(p, opt.backend)
+            with opt.db.session() as s:
+                tried = {(t.family, t.params_key) for t in records.stored_trials(
+                    s, hw_id, pid, {f.name: fam_digests[f.name] for f in fams}, method)}
+            if pid not in won or (won[pid][0], params_key(won[pid][1])) not in tried:
+                continue
+            if pid not in base_of:  # what the search itself knew (defaults, seeds): the same every pass
+                base_of[pid] = {(c.family, c.key) for c in known_candidates(p, fams, opt.spec.search)}
+            base = base_of[pid]
+            new = sorted({(c.family, c.key) for c in known_candidates(p, fams, opt.spec.search, [
+                (f, prm) for _, f, prm in near_winners(p)])} - base - tried)
+            if new:
+                untried[pid] = new
+        key = "polish:" + hashlib.sha256(repr(sorted(untried.items())).encode()).hexdigest()[:16]
+        return {pid: key for pid in untried}
 
     def built(pid: int, cand: Candidate) -> bool:
         farm.submit(by_id[pid], cand.family, cand.params)  # a fresh TPE sample: its build starts now
@@ -200,8 +260,9 @@ def run_sweep(opt: SweepOptions) -> SweepStats:
         with opt.db.session() as s:
             stored = records.stored_trials(s, hw_id, pid, {f.name: fam_digests[f.name] for f in fams}, method)
         search = ProblemSearch(p, fams, opt.spec.search, seed=opt.spec.search.seed + pid, stored=stored,
-                               warm=[(f, prm) for _, f, prm in near_winners(p)])
-        stats.reused += len(stored) - len(search.refused)
+                               warm=[(f, prm) for _, f, prm in near_winners(p)], tpe=not polishing)
+        if not polishing:  # a polish pass re-reads the trials its search just stored
+            stats.reused += len(stored) - len(search.refused)
         stats.refused.extend(search.refused)
         return search
 
@@ -214,7 +275,7 @@ def run_sweep(opt: SweepOptions) -> SweepStats:
                                     family=d.family, family_digest=fam_digests[d.family], params=d.params,
                                     median_us=d.median_us, spread_us=d.spread_us, default_us=d.default_us,
                                     ties=d.ties, trials=d.trials, run_id=run_id, origin="")
-            records.finish_claim(s, hw_id, label, pid, digests[p.op])
+            records.finish_claim(s, hw_id, label, pid, wanted[pid])
         if not d.family:
             stats.no_winner.append(p.key)
         elif d.default_us:
@@ -222,7 +283,7 @@ def run_sweep(opt: SweepOptions) -> SweepStats:
             stats.best_speedup = max(stats.best_speedup or 0.0, sp)
         # no warm start from winners found during this run: which neighbours finish first depends on the
         # number of workers, and the winners must not (a 1-GPU and an N-GPU sweep choose the same kernels)
-        stats.problems_done += 1
+        stats.problems_done += not polishing
         report(f"{p.key}: {d.family or 'no correct candidate'} {d.median_us:.2f} us")
 
     try:
@@ -233,74 +294,91 @@ def run_sweep(opt: SweepOptions) -> SweepStats:
             if got:
                 _tune_collectives([by_id[pid] for pid in got], pids, opt, hw_id, run_id, label, digests, stats, report)
             wanted = {pid: d for pid, d in wanted.items() if pid not in coll}
+        wanted_all, passes = dict(wanted), opt.spec.search.polish
         if not wanted:
             pool.close()  # nothing left to measure (the workers were started early, in vain)
         with pool:
             if stats.pool_started_s is None:
                 stats.pool_started_s = time.monotonic() - t_start
-            # while the workers start: every problem's known candidates to the farm, in claim order
-            farm.submit_known([by_id[pid] for pid in wanted], opt.backend, opt.spec.search,
-                              lambda p: [(f, prm) for _, f, prm in near_winners(p)])
-            while True:
-                if len(active) < target_active:
-                    with opt.db.session() as s:
-                        got = records.claim(s, hw_id, label, owner, wanted, target_active - len(active), opt.lease_s)
-                    for pid in got:
-                        active[pid] = open_search(pid)
-                        if active[pid].finished:
-                            finish(pid, active.pop(pid))
-                if not active:
-                    with opt.db.session() as s:
-                        left = records.remaining(s, hw_id, label, wanted)
-                    if left == 0 or not opt.wait_for_others:
-                        break
-                    report(f"waiting: {left} problems claimed by other sweeps")
-                    time.sleep(min(5.0, opt.lease_s / 4))
-                    continue
-                idle = pool.idle()
-                if idle:
-                    for pid, cand in hand_out(active, len(idle), built if farm.procs else None):
-                        next_task += 1
-                        task_of[next_task] = (pid, cand)
-                        pool.submit(idle.pop(), Task(next_task, by_id[pid], cand.family, cand.params, cand.round,
-                                                     active[pid].samples_for(cand)))
-                    for pid, search in list(active.items()):
-                        if search.ahead is not None:  # compiled on spare cores while the current one is measured
-                            farm.submit(by_id[pid], search.ahead.family, search.ahead.params)
-                        if search.finished:
-                            finish(pid, active.pop(pid))
-                farm.top_up()  # known candidates of later problems, as builds finish
-                results = pool.poll(timeout=0.5)
-                if stats.workers_ready_s is None and pool.all_ready():
-                    stats.workers_ready_s = time.monotonic() - t_start
-                    stats.worker_startup = pool.startup()
-                if results and stats.first_result_s is None:
-                    stats.first_result_s = time.monotonic() - t_start
-                stats.workers_replaced = pool.replaced
-                stats.workers_retired = list(pool.retired)
-                batch: list[records.TrialRecord] = []
-                for task, outcome in results:
-                    pid, cand = task_of.pop(task.task_id)
-                    batch.append(records.TrialRecord(
-                        problem_id=pid, family=cand.family, family_digest=fam_digests[cand.family],
-                        params=cand.params, params_key=cand.key, round=cand.round, status=TrialStatus(outcome.status),
-                        median_us=outcome.median_us, spread_us=outcome.spread_us, samples=outcome.samples,
-                        compile_s=outcome.compile_s, error=outcome.error,
-                        routing=str(by_id[pid].get("routing")) if by_id[pid].get("routing") else None,
-                        method=method))
-                    stats.trials += 1
-                    stats.failed += outcome.status != "ok"
-                if batch:
-                    with opt.db.session() as s:
-                        records.record_trials(s, run_id, hw_id, label, batch)
-                    for (_, outcome), rec in zip(results, batch, strict=True):
-                        active[rec.problem_id].tell(Candidate(rec.family, rec.params, rec.params_key, rec.round),
-                                                    outcome.status, outcome.median_us, outcome.spread_us)
-                    report()
-                if time.monotonic() - last_renew > opt.lease_s / 3:
-                    with opt.db.session() as s:
-                        records.renew_claims(s, owner, opt.lease_s)
-                    last_renew = time.monotonic()
+            while True:  # the search, then polish passes until no neighbour's winner is left untried
+                # while the workers start: every problem's known candidates to the farm, in claim order
+                farm.submit_known([by_id[pid] for pid in wanted], opt.backend, opt.spec.search,
+                                  lambda p: [(f, prm) for _, f, prm in near_winners(p)])
+                while True:
+                    if len(active) < target_active:
+                        with opt.db.session() as s:
+                            got = records.claim(s, hw_id, label, owner, wanted, target_active - len(active), opt.lease_s)
+                        for pid in got:
+                            active[pid] = open_search(pid)
+                            if active[pid].finished:
+                                finish(pid, active.pop(pid))
+                    if not active:
+                        with opt.db.session() as s:
+                            left = records.remaining(s, hw_id, label, wanted)
+                        if left == 0 or not opt.wait_for_others:
+                            break
+                        report(f"waiting: {left} problems claimed by other sweeps")
+                        time.sleep(min(5.0, opt.lease_s / 4))
+                        continue
+                    idle = pool.idle()
+                    if idle:
+                        for pid, cand in hand_out(active, len(idle), built if farm.procs else None):
+                            next_task += 1
+                            task_of[next_task] = (pid, cand)
+                            pool.submit(idle.pop(), Task(next_task, by_id[pid], cand.family, cand.params, cand.round,
+                                                         active[pid].samples_for(cand)))
+                        for pid, search in list(active.items()):
+                            if search.ahead is not None:  # compiled on spare cores while the current one is measured
+                                farm.submit(by_id[pid], search.ahead.family, search.ahead.params)
+                            if search.finished:
+                                finish(pid, active.pop(pid))
+                    farm.top_up()  # known candidates of later problems, as builds finish
+                    results = pool.poll(timeout=0.5)
+                    if stats.workers_ready_s is None and pool.all_ready():
+                        stats.workers_ready_s = time.monotonic() - t_start
+                        stats.worker_startup = pool.startup()
+                    if results and stats.first_result_s is None:
+                        stats.first_result_s = time.monotonic() - t_start
+                    stats.workers_replaced = pool.replaced
+                    stats.workers_retired = list(pool.retired)
+                    batch: list[records.TrialRecord] = []
+                    for task, outcome in results:
+                        pid, cand = task_of.pop(task.task_id)
+                        batch.append(records.TrialRecord(
+                            problem_id=pid, family=cand.family, family_digest=fam_digests[cand.family],
+                            params=cand.params, params_key=cand.key, round=cand.round, status=TrialStatus(outcome.status),
+                            median_us=outcome.median_us, spread_us=outcome.spread_us, samples=outcome.samples,
+                            compile_s=outcome.compile_s, error=outcome.error,
+                            routing=str(by_id[pid].get("routing")) if by_id[pid].get("routing") else None,
+                            method=method))
+                        stats.trials += 1
+                        stats.failed += outcome.status != "ok"
+                    if batch:
+                        with opt.db.session() as s:
+                            records.record_trials(s, run_id, hw_id, label, batch)
+                        for (_, outcome), rec in zip(results, batch, strict=True):
+                            active[rec.problem_id].tell(Candidate(rec.family, rec.params, rec.params_key, rec.round),
+                                                        outcome.status, outcome.median_us, outcome.spread_us)
+                        report()
+                    if time.monotonic() - last_renew > opt.lease_s / 3:
+                        with opt.db.session() as s:
+                            records.renew_claims(s, owner, opt.lease_s)
+                        last_renew = time.monotonic()
+                if passes <= 0:
+                    break
+                passes -= 1
+                load_neighbours()  # now with every winner of this run
+                polishing = True
+                wanted = polish_plan(set(wanted_all))
+                if not wanted:
+                    break
+                for pid, w in current_winners(set(wanted) - set(incumbent)).items():
+                    incumbent[pid] = w  # what the search chose, before any polish pass
+                with opt.db.session() as s:
+                    records.plan_claims(s, hw_id, label, wanted)
+                stats.polished += len(wanted)
+                stats.polish_passes += 1
+            stats.polish_changed = sum(1 for pid, w in current_winners(set(incumbent)).items() if incumbent[pid] != w)
         status = "done"
     except KeyboardInterrupt:
         status = "interrupted"

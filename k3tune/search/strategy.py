@@ -101,6 +101,7 @@ class ProblemSearch:
     seed: int
     warm: list[tuple[str, dict]] = field(default_factory=list)  # (family, params) that won nearby
     stored: list = field(default_factory=list)  # stored Trial rows with current digests
+    tpe: bool = True  # False: only the known candidates (a polish pass: the neighbours' winners), then remeasure
 
     def __post_init__(self):
         self.refused: list[str] = []
@@ -150,7 +151,7 @@ class ProblemSearch:
         ok = status == "ok" and median is not None
         if trial is not None:
             self.study.tell(trial, median if ok else None, state=TrialState.COMPLETE if ok else TrialState.FAIL)
-        elif all(k in self.dists for k in flat) and all(v in self.dists[k].choices for k, v in flat.items()):
+        elif self.tpe and all(k in self.dists for k in flat) and all(v in self.dists[k].choices for k, v in flat.items()):
             self.study.add_trial(create_trial(params=flat, distributions={k: self.dists[k] for k in flat},
                                               value=median if ok else None,
                                               state=TrialState.COMPLETE if ok else TrialState.FAIL))
@@ -228,7 +229,7 @@ class ProblemSearch:
     # ---- the driver's interface ---------------------------------------------------------------
     @property
     def _search_over(self) -> bool:
-        return (self.measured >= self.settings.budget or self.since_gain >= self.settings.patience
+        return (not self.tpe or self.measured >= self.settings.budget or self.since_gain >= self.settings.patience
                 or self.exhaustive or self._space_measured())
 
     def _space_measured(self) -> bool:
