@@ -258,6 +258,8 @@ def test_cpu_sweep_records_failures_and_still_picks_a_correct_winner(monkeypatch
     stats = run_sweep(_opts(db, sp, backend="cpu", trial_timeout_s=30))
     assert stats.problems_done == 1 and not stats.no_winner
     assert 0 < stats.first_result_s <= stats.seconds, "start-up is reported by phase"
+    # where the workers' time went: measuring (of which on the CPU), and builds
+    assert 0 < stats.worker_busy_s <= stats.seconds * 2 and stats.worker_busy_cpu_s > 0 and stats.worker_build_s > 0
     assert stats.workers_ready_s is None or 0 < stats.workers_ready_s <= stats.seconds
     assert 0 <= stats.pool_started_s <= stats.seconds
     if stats.workers_ready_s is not None:  # each worker's start, and its backend's share of it

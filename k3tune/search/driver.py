@@ -78,6 +78,9 @@ class SweepStats:
     first_result_s: float | None = None  # until the first measured trial came back
     pool_started_s: float | None = None  # until the workers' processes were started (planning, database)
     worker_startup: list[dict] = field(default_factory=list)  # per worker: spawn to ready, of which backend
+    worker_busy_s: float = 0.0  # summed over workers: wall seconds measuring (build, check, time) ...
+    worker_busy_cpu_s: float = 0.0  # ... of which the workers had the CPU (less: blocked on the GPU or descheduled)
+    worker_build_s: float = 0.0  # ... and seconds inside builds (a compile, or a wait on the farm's)
     polished: int = 0  # problems searched again because a neighbour's winner had not been tried on them
     polish_changed: int = 0  # of those, how many chose another kernel
     polish_passes: int = 0
@@ -340,6 +343,7 @@ def run_sweep(opt: SweepOptions) -> SweepStats:
                     if results and stats.first_result_s is None:
                         stats.first_result_s = time.monotonic() - t_start
                     stats.workers_replaced = pool.replaced
+                    stats.worker_busy_s, stats.worker_busy_cpu_s = pool.busy_s, pool.busy_cpu_s
                     stats.workers_retired = list(pool.retired)
                     batch: list[records.TrialRecord] = []
                     for task, outcome in results:
@@ -353,6 +357,7 @@ def run_sweep(opt: SweepOptions) -> SweepStats:
                             method=method))
                         stats.trials += 1
                         stats.failed += outcome.status != "ok"
+                        stats.worker_build_s += outcome.compile_s or 0.0
                     if batch:
                         with opt.db.session() as s:
                             records.record_trials(s, run_id, hw_id, label, batch)

@@ -59,8 +59,10 @@ def worker_main(conn: Connection, backend_spec: tuple) -> None:
             return
         if task is None:
             return
+        wall, cpu = time.perf_counter(), time.process_time()
         outcome = backend.measure(task)
-        conn.send((task.task_id, outcome))
+        # where a worker's time goes: wall vs its CPU time (less CPU than wall: it waited, descheduled or blocked)
+        conn.send((task.task_id, outcome, time.perf_counter() - wall, time.process_time() - cpu))
         if outcome.poisoned:
             return
 
@@ -90,6 +92,8 @@ class WorkerPool:
         self.ctx = mp.get_context("spawn")
         self.slots = [_Slot(i) for i in range(n)]
         self.replaced = 0
+        self.busy_s = 0.0  # summed over workers and trials: wall seconds inside measure() ...
+        self.busy_cpu_s = 0.0  # ... and the worker's CPU seconds in them
         self.retired: list[str] = []
         self._started = False
 
@@ -206,6 +210,8 @@ class WorkerPool:
             else:
                 task, slot.task = slot.task, None
                 done.append((task, msg[1]))
+                self.busy_s += msg[2]
+                self.busy_cpu_s += msg[3]
                 if msg[1].poisoned:
                     self._replace(slot)
         now = time.monotonic()
