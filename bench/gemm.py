@@ -155,6 +155,9 @@ def main() -> None:
     summary = {"device": dev, "copy_bw_tbps": bw / 1e12, "geomean_speedup_vs_cublas_m_le_64": geo,
                "slower_than_cublas_beyond_spread": [(r["tp"], r["op"], r["M"]) for r in slower],
                "min_roofline_frac_m_le_16_floor_ge_5us": min((r["floor_us"] / r["tuned"]["us"] for r in roof), default=None)}
+    summary["geomean_speedup_vs_cublas_by_m"] = {  # where the geomean is won and lost
+        m: math.exp(statistics.mean(math.log(r["cublas"]["us"] / r["tuned"]["us"]) for r in small if r["M"] == m))
+        for m in sorted({r["M"] for r in small})}
     if any("tuned_nopdl" in r for r in rows):  # the same choices with programmatic dependent launch off
         summary["geomean_speedup_vs_cublas_m_le_64_pdl_off"] = math.exp(sum(
             math.log(r["cublas"]["us"] / r.get("tuned_nopdl", r["tuned"])["us"]) for r in small) / len(small))

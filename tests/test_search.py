@@ -346,6 +346,27 @@ def test_polish_tries_neighbours_winners_and_a_rerun_finds_nothing_left(tmp_path
     assert again.trials == 0 and again.polish_passes == 0
 
 
+def test_a_polish_pass_left_open_by_another_machine_is_joined(db_path):
+    """A machine that finishes its searches later than another joins the polish pass that one planned and has
+    not finished (its claims), instead of planning its own from a half-polished database."""
+    import dataclasses
+
+    from k3tune.store.models import Claim
+
+    sp = spec.load("smoke")
+    db = store_db.open_db(db_path)
+    run_sweep(_opts(db, dataclasses.replace(sp, search=dataclasses.replace(sp.search, polish=0))))
+    with db.session() as s:
+        pid = s.scalar(select(Claim.problem_id).order_by(Claim.problem_id))
+        other = s.scalar(select(Claim).where(Claim.problem_id == pid))
+        s.add(Claim(hardware_id=other.hardware_id, problem_id=pid, op_digest="polish:planned-elsewhere",
+                    backend=other.backend, state="pending"))
+    stats = run_sweep(_opts(db, sp))
+    assert stats.polish_passes >= 1 and stats.polished >= 1
+    with db.session() as s:
+        assert s.scalar(select(Claim.state).where(Claim.op_digest == "polish:planned-elsewhere")) == "done"
+
+
 def test_rerun_does_no_new_work_and_stale_params_are_refused(db_path):
     sp = spec.load("smoke")
     db = store_db.open_db(db_path)

@@ -229,8 +229,9 @@ def run_sweep(opt: SweepOptions) -> SweepStats:
 
     def polish_plan(scope: set[int]) -> dict[int, str]:
         """The problems of ``scope`` on which a neighbour's winner has not been tried, under one claim key for
-        the pass (a digest of what it will try: the same on every machine sharing the sweep, so they share the
-        pass). From winners only, after every problem is decided: the same whatever the worker count. A problem
+        the pass (a digest of what it will try: machines of one sweep that plan a pass at once plan the same;
+        one that comes later joins the pass still open instead). From winners only, after every problem is
+        decided: the same whatever the worker count. A problem
         whose winner was timed another way (an older method, so not among its trials) is left alone: the new
         candidates could not be compared with it."""
         untried: dict[int, list] = {}
@@ -374,7 +375,9 @@ def run_sweep(opt: SweepOptions) -> SweepStats:
                 passes -= 1
                 load_neighbours()  # now with every winner of this run
                 polishing = True
-                wanted = polish_plan(set(wanted_all))
+                with opt.db.session() as s:  # a pass another machine of this sweep planned and has not finished
+                    wanted = records.open_claims(s, hw_id, label, "polish:", set(wanted_all))
+                wanted = wanted or polish_plan(set(wanted_all))
                 if not wanted:
                     break
                 for pid, w in current_winners(set(wanted) - set(incumbent)).items():

@@ -225,6 +225,14 @@ def release_claims(session: Session, owner: str) -> None:
         state="pending", owner=None, expires_at=None))
 
 
+def open_claims(session: Session, hw_id: int, backend: Backend, prefix: str, problem_ids: set[int]) -> dict[int, str]:
+    """Claims not yet done whose key starts with ``prefix``, of the given problems: problem id -> key."""
+    rows = session.execute(select(Claim.problem_id, Claim.op_digest).where(
+        Claim.hardware_id == hw_id, Claim.backend == backend, Claim.op_digest.like(f"{prefix}%"),
+        Claim.state != "done")).all()
+    return {pid: key for pid, key in rows if pid in problem_ids}
+
+
 def remaining(session: Session, hw_id: int, backend: Backend, wanted: dict[int, str]) -> int:
     n = 0
     for digest, chunk in _by_digest(wanted):
