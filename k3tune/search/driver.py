@@ -231,9 +231,8 @@ def run_sweep(opt: SweepOptions) -> SweepStats:
         """The problems of ``scope`` on which a neighbour's winner has not been tried, under one claim key for
         the pass (a digest of what it will try: machines of one sweep that plan a pass at once plan the same;
         one that comes later joins the pass still open instead). From winners only, after every problem is
-        decided: the same whatever the worker count. A problem
-        whose winner was timed another way (an older method, so not among its trials) is left alone: the new
-        candidates could not be compared with it."""
+        decided: the same whatever the worker count. A problem whose winner was timed another way (an older
+        method, so not among its trials) is left alone: the new candidates could not be compared with it."""
         untried: dict[int, list] = {}
         won = current_winners(scope)
         for pid in sorted(scope):
