@@ -29,7 +29,7 @@ for g in ${RUNS:-1 $N}; do
     echo "gpus=$g: CPUs $cpus, $PROCS compile processes"
   fi
   $PIN timeout ${SWEEP_S:-120} python3 bench/device_sweep.py --spec $SPEC --db $OUT/gpus$g.sqlite --gpus $g --compile-procs $PROCS \
-    > $OUT/gpus$g.log 2>&1; echo "gpus=$g rc=$?"; grep -E '"(trials|seconds|failed|problems_done|workers_replaced|workers_ready_s|first_result_s|pool_started_s|ready_s|backend_s|polished|polish_passes|polish_changed|worker_busy_s|worker_busy_cpu_s|worker_build_s)"' $OUT/gpus$g.log
+    > $OUT/gpus$g.log 2>&1; echo "gpus=$g rc=$?"; grep -E '"(trials|seconds|failed|problems_done|workers_replaced|workers_ready_s|first_result_s|pool_started_s|ready_s|backend_s|opened_early|polished|polish_passes|polish_changed|worker_busy_s|worker_busy_cpu_s|worker_build_s)"' $OUT/gpus$g.log
 done
 if [ "${KILL:-1}" = 1 ]; then  # KILL=0: the throughput runs only
 export K3TUNE_KERNEL_CACHE=$(mktemp -d)

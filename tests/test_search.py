@@ -144,6 +144,25 @@ def test_hand_out_gives_idle_workers_compiled_candidates_first():
     assert [pid for pid, _ in hand_out(fresh, 3)] == [0, 0, 0]  # no farm: claim order
 
 
+def test_blocked_on_builds_when_no_open_search_has_a_compiled_candidate():
+    """The sweep opens more problems (whose cuBLAS default needs no build) only when every open one would make a
+    worker wait on a compile."""
+    from k3tune.search.driver import blocked_on_builds
+
+    p = Problem("kda.o_proj", "gemm", (("M", 1), ("N", 7168), ("K", 768)))
+    fams = families_for(p, "simulated")
+    search = ProblemSearch(p, fams, SETTINGS, seed=0)
+    only_cublas = lambda pid, cand: cand.family == "gemm.cublas"  # noqa: E731  every other kernel still compiling
+    assert search.upcoming().family == "gemm.cublas"  # a fresh search starts with the safe baseline
+    assert not blocked_on_builds({0: search}, only_cublas)
+    search.next()  # the baseline handed out: the next known candidate is a kernel being built
+    assert search.upcoming().family != "gemm.cublas"
+    assert blocked_on_builds({0: search}, only_cublas)
+    assert not blocked_on_builds({0: search}, lambda pid, cand: True)
+    fresh = ProblemSearch(p, fams, SETTINGS, seed=1)
+    assert not blocked_on_builds({0: search, 1: fresh}, only_cublas)
+
+
 @pytest.mark.parametrize("cores,workers,procs", [(32, 1, 8), (32, 2, 16), (32, 16, 15), (2, 1, 0), (256, 16, 64)])
 def test_default_farm_size(monkeypatch, cores, workers, procs):
     """Without --compile-procs the farm takes the cores the workers and the driver leave, at most 8 per GPU."""

@@ -81,6 +81,7 @@ class SweepStats:
     worker_busy_s: float = 0.0  # summed over workers: wall seconds measuring (build, check, time) ...
     worker_busy_cpu_s: float = 0.0  # ... of which the workers had the CPU (less: blocked on the GPU or descheduled)
     worker_build_s: float = 0.0  # ... and seconds inside builds (a compile, or a wait on the farm's)
+    opened_early: int = 0  # problems opened beyond the usual number because every open one waited on a build
     polished: int = 0  # problems searched again because a neighbour's winner had not been tried on them
     polish_changed: int = 0  # of those, how many chose another kernel
     polish_passes: int = 0
@@ -106,6 +107,12 @@ def _neighbour_distance(a: plans.Problem, b: plans.Problem) -> float:
 
 
 POLISH_NEIGHBOURS = 4  # a polish pass tries the winners of this many nearest problems of the same op
+
+
+def blocked_on_builds(active: dict[int, ProblemSearch], built: Callable[[int, Candidate], bool]) -> bool:
+    """No open search has a candidate to hand out now whose kernel is built (each waits on a result, or its next
+    kernel is still compiling): an idle worker would wait on a build."""
+    return not any(u is not None and built(pid, u) for pid, u in ((p, s.upcoming()) for p, s in active.items()))
 
 
 def hand_out(active: dict[int, ProblemSearch], n_idle: int,
@@ -324,6 +331,15 @@ def run_sweep(opt: SweepOptions) -> SweepStats:
                         time.sleep(min(5.0, opt.lease_s / 4))
                         continue
                     idle = pool.idle()
+                    room = target_active + farm.procs - len(active)
+                    if idle and farm.procs and room > 0 and blocked_on_builds(active, built):
+                        # every open problem waits on a build (the start of a sweep, session 9: a third of the
+                        # 2-GPU workers' first 40 s): open more, whose first candidate (cuBLAS) needs none
+                        with opt.db.session() as s:
+                            got = records.claim(s, hw_id, label, owner, wanted, min(room, len(idle)), opt.lease_s)
+                        for pid in got:
+                            active[pid] = open_search(pid)
+                        stats.opened_early += len(got)
                     if idle:
                         for pid, cand in hand_out(active, len(idle), built if farm.procs else None):
                             next_task += 1
