@@ -5,16 +5,12 @@ committed at once, so ``kill -9`` of the sweep loses only the trials in flight, 
 from the stored trials without measuring anything twice. Problems are claimed through the database, so
 several machines can share one sweep (PostgreSQL) without overlap; a dead owner's claims are taken over.
 
-Once every problem is decided, polish passes (``[search] polish``) try on each problem the winners of its
-nearest neighbours (same op; other M, other TP) that it has not tried, without TPE, then remeasure and decide
-again: a search of a few dozen trials can miss a config that won next door (H200 dense sweep, session 9: a
-tensor-core config at 3.9 us for M = 8 while M = 4 and 16 kept cuBLAS at 5.6). Each pass is planned from the
-stored winners alone, so it is the same for any worker count and on every machine sharing the sweep.
+Once every problem is decided, polish passes (k3tune.search.polish) try on each problem the winners of its
+nearest neighbours that it has not tried, without TPE, then remeasure and decide again.
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
 import platform
 import time
@@ -24,7 +20,7 @@ from dataclasses import dataclass, field
 from sqlalchemy import select
 
 from k3tune.errors import ConfigError, HardwareError
-from k3tune.kernels import FAMILIES, families_for, op_digest, params_key
+from k3tune.kernels import FAMILIES, families_for, op_digest
 from k3tune.kernels.gemm_smallm import current_arch
 from k3tune.plan import hardware, problems as plans
 from k3tune.plan.hardware import Fingerprint, HardwareSpec
@@ -33,7 +29,8 @@ from k3tune.plan.spec import SweepSpec
 from k3tune.search.compile_farm import CompileFarm, default_procs
 from k3tune.search.method import method_digest
 from k3tune.search.outcome import Task
-from k3tune.search.strategy import Candidate, ProblemSearch, known_candidates
+from k3tune.search import polish
+from k3tune.search.strategy import Candidate, ProblemSearch
 from k3tune.search.workers import WorkerPool
 from k3tune.store import records
 from k3tune.store.db import Database
@@ -104,9 +101,6 @@ def fingerprint_for(backend: str, hw: HardwareSpec | None) -> Fingerprint:
 def _neighbour_distance(a: plans.Problem, b: plans.Problem) -> float:
     return sum(abs(math.log(max(1, x[1])) - math.log(max(1, y[1]))) for x, y in zip(a.dims, b.dims)
                if isinstance(x[1], int) and isinstance(y[1], int)) + sum(1 for x, y in zip(a.dims, b.dims) if x != y and not isinstance(x[1], int))
-
-
-POLISH_NEIGHBOURS = 4  # a polish pass tries the winners of this many nearest problems of the same op
 
 
 def blocked_on_builds(active: dict[int, ProblemSearch], built: Callable[[int, Candidate], bool]) -> bool:
@@ -224,41 +218,7 @@ def run_sweep(opt: SweepOptions) -> SweepStats:
         """The problem's own stored winners (of older kernel versions) and those of the nearest others."""
         mine = [n for n in neighbours.get(p.op, []) if n[0] == p]
         others = sorted((n for n in neighbours.get(p.op, []) if n[0] != p), key=lambda n: _neighbour_distance(n[0], p))
-        return mine + others[:POLISH_NEIGHBOURS if polishing else 2]
-
-    def current_winners(pids: set[int]) -> dict[int, tuple[str, dict]]:
-        with opt.db.session() as s:
-            rows = s.execute(select(Winner.problem_id, Winner.op_digest, Winner.family, Winner.params).where(
-                Winner.hardware_id == hw_id, Winner.backend == label, Winner.problem_id.in_(pids))).all()
-        return {pid: (fam, params) for pid, d, fam, params in rows if wanted_all.get(pid) == d}
-
-    base_of: dict[int, set] = {}
-
-    def polish_plan(scope: set[int]) -> dict[int, str]:
-        """The problems of ``scope`` on which a neighbour's winner has not been tried, under one claim key for
-        the pass (a digest of what it will try: machines of one sweep that plan a pass at once plan the same;
-        one that comes later joins the pass still open instead). From winners only, after every problem is
-        decided: the same whatever the worker count. A problem whose winner was timed another way (an older
-        method, so not among its trials) is left alone: the new candidates could not be compared with it."""
-        untried: dict[int, list] = {}
-        won = current_winners(scope)
-        for pid in sorted(scope):
-            p = by_id[pid]
-            fams = families_for(p, opt.backend)
-            with opt.db.session() as s:
-                tried = {(t.family, t.params_key) for t in records.stored_trials(
-                    s, hw_id, pid, {f.name: fam_digests[f.name] for f in fams}, method)}
-            if pid not in won or (won[pid][0], params_key(won[pid][1])) not in tried:
-                continue
-            if pid not in base_of:  # what the search itself knew (defaults, seeds): the same every pass
-                base_of[pid] = {(c.family, c.key) for c in known_candidates(p, fams, opt.spec.search)}
-            base = base_of[pid]
-            new = sorted({(c.family, c.key) for c in known_candidates(p, fams, opt.spec.search, [
-                (f, prm) for _, f, prm in near_winners(p)])} - base - tried)
-            if new:
-                untried[pid] = new
-        key = "polish:" + hashlib.sha256(repr(sorted(untried.items())).encode()).hexdigest()[:16]
-        return {pid: key for pid in untried}
+        return mine + others[:polish.NEIGHBOURS if polishing else 2]
 
     def built(pid: int, cand: Candidate) -> bool:
         farm.submit(by_id[pid], cand.family, cand.params)  # a fresh TPE sample: its build starts now
@@ -305,6 +265,8 @@ def run_sweep(opt: SweepOptions) -> SweepStats:
                 _tune_collectives([by_id[pid] for pid in got], pids, opt, hw_id, run_id, label, digests, stats, report)
             wanted = {pid: d for pid, d in wanted.items() if pid not in coll}
         wanted_all, passes = dict(wanted), opt.spec.search.polish
+        planner = polish.Planner(opt.db, hw_id, label, opt.spec.search, lambda p: families_for(p, opt.backend),
+                                 fam_digests, method, near_winners)
         if not wanted:
             pool.close()  # nothing left to measure (the workers were started early, in vain)
         with pool:
@@ -390,18 +352,19 @@ def run_sweep(opt: SweepOptions) -> SweepStats:
                 passes -= 1
                 load_neighbours()  # now with every winner of this run
                 polishing = True
-                with opt.db.session() as s:  # a pass another machine of this sweep planned and has not finished
-                    wanted = records.open_claims(s, hw_id, label, "polish:", set(wanted_all))
-                wanted = wanted or polish_plan(set(wanted_all))
+                wanted = (planner.open_pass(set(wanted_all))
+                          or planner.plan({pid: by_id[pid] for pid in wanted_all}, wanted_all))
                 if not wanted:
                     break
-                for pid, w in current_winners(set(wanted) - set(incumbent)).items():
+                for pid, w in polish.current_winners(opt.db, hw_id, label, {
+                        pid: wanted_all[pid] for pid in set(wanted) - set(incumbent)}).items():
                     incumbent[pid] = w  # what the search chose, before any polish pass
                 with opt.db.session() as s:
                     records.plan_claims(s, hw_id, label, wanted)
                 stats.polished += len(wanted)
                 stats.polish_passes += 1
-            stats.polish_changed = sum(1 for pid, w in current_winners(set(incumbent)).items() if incumbent[pid] != w)
+            stats.polish_changed = sum(1 for pid, w in polish.current_winners(opt.db, hw_id, label, {
+                pid: wanted_all[pid] for pid in incumbent}).items() if incumbent[pid] != w)
         status = "done"
     except KeyboardInterrupt:
         status = "interrupted"

@@ -1,0 +1,76 @@
+"""Polish passes: after every problem of a sweep is decided, try on each problem the winners of its nearest
+neighbours (same op; other M, other TP) that it has not tried, then remeasure and decide again.
+
+A search of a few dozen trials over a space of thousands can miss a config that won next door (H200 dense sweep,
+session 9: a tensor-core config at 3.9 us for M = 8 while M = 4 and 16 kept cuBLAS at 5.6). Searches take warm
+starts only from earlier runs' winners, so that the worker count cannot change a result; a pass, planned from the
+stored winners once every problem is decided, is the same for any worker count and on every machine sharing the
+sweep. The driver runs the passes (``[search] polish`` at most) until nothing is left untried.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+
+from sqlalchemy import select
+
+from k3tune.kernels import KernelFamily, params_key
+from k3tune.plan.problems import Problem
+from k3tune.plan.spec import SearchSettings
+from k3tune.search.strategy import known_candidates
+from k3tune.store import records
+from k3tune.store.db import Database
+from k3tune.store.models import Backend, Winner
+
+NEIGHBOURS = 4  # a pass tries the winners of this many nearest problems of the same op
+CLAIM_PREFIX = "polish:"  # a pass's claims are keyed CLAIM_PREFIX + the digest of what it will try
+
+
+def current_winners(db: Database, hw_id: int, backend: Backend, digests: dict[int, str]) -> dict[int, tuple[str, dict]]:
+    """Problem id -> (family, params) of its winner for the op digest given, where there is one."""
+    with db.session() as s:
+        rows = s.execute(select(Winner.problem_id, Winner.op_digest, Winner.family, Winner.params).where(
+            Winner.hardware_id == hw_id, Winner.backend == backend, Winner.problem_id.in_(set(digests)))).all()
+    return {pid: (fam, params) for pid, d, fam, params in rows if digests.get(pid) == d}
+
+
+class Planner:
+    """Plans passes for one sweep: ``families(problem)`` its kernel families, ``near(problem)`` the stored winners
+    to try on it as (problem, family, params), ``fam_digests`` and ``method`` which stored trials count."""
+
+    def __init__(self, db: Database, hw_id: int, backend: Backend, settings: SearchSettings,
+                 families: Callable[[Problem], list[KernelFamily]], fam_digests: dict[str, str], method: str,
+                 near: Callable[[Problem], list[tuple[Problem, str, dict]]]):
+        self.db, self.hw_id, self.backend, self.settings = db, hw_id, backend, settings
+        self.families, self.fam_digests, self.method, self.near = families, fam_digests, method, near
+        self._base: dict[int, set] = {}  # per problem, what its search knew itself (defaults, seeds)
+
+    def plan(self, problems: dict[int, Problem], digests: dict[int, str]) -> dict[int, str]:
+        """The problems on which a neighbour's winner has not been tried, each with the pass's claim key (the
+        digest of what it will try: machines of one sweep that plan a pass at once plan the same; one that
+        comes later joins the pass still open instead, see ``open_pass``). A problem whose winner was timed
+        another way (an older method, so not among its trials) is left alone: the new candidates could not be
+        compared with it."""
+        untried: dict[int, list] = {}
+        won = current_winners(self.db, self.hw_id, self.backend, digests)
+        for pid in sorted(problems):
+            p, fams = problems[pid], self.families(problems[pid])
+            with self.db.session() as s:
+                tried = {(t.family, t.params_key) for t in records.stored_trials(
+                    s, self.hw_id, pid, {f.name: self.fam_digests[f.name] for f in fams}, self.method)}
+            if pid not in won or (won[pid][0], params_key(won[pid][1])) not in tried:
+                continue
+            if pid not in self._base:
+                self._base[pid] = {(c.family, c.key) for c in known_candidates(p, fams, self.settings)}
+            new = sorted({(c.family, c.key) for c in known_candidates(
+                p, fams, self.settings, [(f, prm) for _, f, prm in self.near(p)])} - self._base[pid] - tried)
+            if new:
+                untried[pid] = new
+        key = CLAIM_PREFIX + hashlib.sha256(repr(sorted(untried.items())).encode()).hexdigest()[:16]
+        return {pid: key for pid in untried}
+
+    def open_pass(self, problems: set[int]) -> dict[int, str]:
+        """A pass another machine of this sweep planned and has not finished (its claims not done)."""
+        with self.db.session() as s:
+            return records.open_claims(s, self.hw_id, self.backend, CLAIM_PREFIX, problems)
