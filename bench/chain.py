@@ -40,7 +40,7 @@ def chain_time(ops: list[tuple], samples: int) -> dict:
     for fam, p, cfg in ops:
         inputs = fam.make_inputs(p, torch.device("cuda"), gen)
         runs.append(fam.build(p, cfg))
-        sets.append(rotation_sets(fam, p, inputs, gen))
+        sets.append(rotation_sets(fam, p, inputs))
     n = max(len(s) for s in sets)
     steps = [[s[i % len(s)] for s in sets] for i in range(n)]
 

@@ -212,9 +212,10 @@ def test_measurer_times_each_trial_on_independent_allocations():
     seen = []
     real = measure_gpu.rotation_sets
 
-    def spy(f, prob, base, g):
-        sets = real(f, prob, base, g)
+    def spy(f, prob, base):
+        sets = real(f, prob, base)
         seen.append({s["w"].data_ptr() for s in sets})
+        assert len(seen[-1]) == len(sets) > 1, "every copy's weights at an address of its own (L2 holds addresses)"
         return sets
 
     measure_gpu.rotation_sets = spy
