@@ -121,8 +121,9 @@ class ProblemSearch:
         self.decision: Decision | None = None
         self._pending: dict[tuple[str, str], optuna.trial.Trial] = {}
         self.ahead: Candidate | None = None  # the next TPE candidate, sampled while the current one is measured
+        # a polish pass (tpe False) never asks TPE: no study to build or to feed the stored trials
         self.study = optuna.create_study(direction="minimize", sampler=optuna.samplers.TPESampler(
-            seed=self.seed, n_startup_trials=max(4, min(10, self.settings.budget // 3))))
+            seed=self.seed, n_startup_trials=max(4, min(10, self.settings.budget // 3)))) if self.tpe else None
         self.dists = {"family": CategoricalDistribution([f.name for f in self.families])}
         for f in self.families:
             for k, choices in self.space[f.name].items():
