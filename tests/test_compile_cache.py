@@ -105,24 +105,59 @@ def test_two_processes_asking_for_one_kernel_compile_it_once(cache):
     outs = [p.communicate(timeout=300)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs)
     assert sorted(int(o.split()[-1]) for o in outs) == [0, 1], outs
-    assert len(list(cache.glob("allreduce-*.o"))) == 1 and not list(cache.glob(".*.lock"))
+    assert len(list(cache.glob("allreduce-*.o"))) == 1 and not list(cache.glob(".*.tmp"))
 
 
-def test_a_stale_lock_is_taken_over(cache):
-    import os
-    import time
+_HOLD_LOCK = """
+import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_CREAT | os.O_RDWR)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("locked", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_lock_held_by_a_killed_process_is_free_at_once(cache, monkeypatch):
+    """A sweep worker killed -9 while compiling (s10-r2: its lock file kept every worker that wanted the
+    kernel waiting 2 minutes) holds nothing: the next process takes the lock and compiles without waiting."""
+    import subprocess
+    import sys
 
     from k3tune.kernels import compile_cache
-    from k3tune.kernels.compile_cache import LOCK_STALE_S, entry_name
+    from k3tune.kernels.compile_cache import entry_name
 
     name = entry_name("allreduce", (2, False, 1e-6, 1, "sm_90a"), ("k3tune.kernels.allreduce",))
-    lock = cache / f".{name}.lock"
-    lock.touch()
-    old = time.time() - LOCK_STALE_S - 1
-    os.utime(lock, (old, old))  # left by a process that died while compiling
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD_LOCK, str(cache / f".{name}.lock")],
+                              stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "locked"
+    holder.kill()
+    holder.wait(timeout=30)
+    monkeypatch.setattr(compile_cache, "LOCK_WAIT_S", 1e9)  # were the lock still held, this test would hang
     before = len(compile_cache.COMPILED)
     assert callable(_compile_allreduce())
-    assert len(compile_cache.COMPILED) == before + 1 and not lock.exists()
+    assert len(compile_cache.COMPILED) == before + 1
+
+
+def test_a_lock_held_by_a_live_process_is_waited_for_then_ignored(cache, monkeypatch):
+    """A live holder (still compiling) is waited for at most LOCK_WAIT_S, then the kernel is compiled anyway."""
+    import subprocess
+    import sys
+
+    from k3tune.kernels import compile_cache
+    from k3tune.kernels.compile_cache import entry_name
+
+    name = entry_name("allreduce", (2, False, 1e-6, 1, "sm_90a"), ("k3tune.kernels.allreduce",))
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD_LOCK, str(cache / f".{name}.lock")],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        monkeypatch.setattr(compile_cache, "LOCK_WAIT_S", 0.5)
+        before = len(compile_cache.COMPILED)
+        assert callable(_compile_allreduce())
+        assert len(compile_cache.COMPILED) == before + 1
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
 
 
 _LOAD_FARMED = """

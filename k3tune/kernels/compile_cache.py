@@ -53,12 +53,11 @@ def cached_compile(kind: str, key: tuple, modules: tuple[str, ...], compile_fn: 
     loaded = _load(path, prefix)
     if loaded is not None:
         return loaded
-    lock = _claim(root, name)
-    if lock is None:  # another process is compiling this kernel: wait for its entry rather than compile twice
-        loaded = _wait_for(path, prefix, root / f".{name}.lock")
+    lock = _lock(root, name)  # another process compiling this kernel: wait for it rather than compile twice
+    try:
+        loaded = _load(path, prefix)  # written by the lock's previous holder
         if loaded is not None:
             return loaded
-    try:
         fn = compile_fn()
         COMPILED.append(name)
         try:
@@ -73,11 +72,11 @@ def cached_compile(kind: str, key: tuple, modules: tuple[str, ...], compile_fn: 
         return fn
     finally:
         if lock is not None:
-            lock.unlink(missing_ok=True)
+            os.close(lock)  # releases it
 
 
 COMPILED: list[str] = []  # entries this process compiled (rather than loaded): for tests and reports
-LOCK_STALE_S = 120.0  # a compile lock older than this belongs to a dead or stuck process: ignored
+LOCK_WAIT_S = 120.0  # longest wait for a live process compiling the same kernel; then compile regardless
 
 
 def _load(path: Path, prefix: str):
@@ -93,44 +92,32 @@ def _load(path: Path, prefix: str):
         return None
 
 
-def _claim(root: Path, name: str) -> Path | None:
-    """The compile lock of an entry (created exclusively), or None when another live process holds it. A
-    stale lock is taken over. Without a writable cache directory nobody can hold one: compile."""
-    lock = root / f".{name}.lock"
+def _lock(root: Path, name: str) -> int | None:
+    """A descriptor holding the entry's compile lock (``flock``), once no other process holds it; None when
+    the cache directory is not writable or the holder is still compiling after LOCK_WAIT_S (compile
+    without it). The kernel releases a lock when its holder exits, killed or not, so a worker killed while
+    compiling (the sweep's kill -9 test) delays nobody; lock files stay (unlinking one races a waiter)."""
+    import fcntl
+    import time
+
     try:
         root.mkdir(parents=True, exist_ok=True)
-        for _ in range(2):
-            try:
-                os.close(os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-                return lock
-            except FileExistsError:
-                if _age(lock) < LOCK_STALE_S:
-                    return None
-                lock.unlink(missing_ok=True)  # stale: take it over
+        fd = os.open(root / f".{name}.lock", os.O_CREAT | os.O_RDWR, 0o644)
     except OSError:
-        pass
-    return None
-
-
-def _age(p: Path) -> float:
-    import time
-
-    try:
-        return time.time() - p.stat().st_mtime
-    except FileNotFoundError:
-        return 0.0
-
-
-def _wait_for(path: Path, prefix: str, lock: Path):
-    """The entry another process is compiling, once written; None if its lock goes away without one (it
-    failed) or grows stale."""
-    import time
-
-    while lock.exists() and _age(lock) < LOCK_STALE_S:
-        if path.exists():
-            break
-        time.sleep(0.05)
-    return _load(path, prefix)
+        return None
+    deadline = time.monotonic() + LOCK_WAIT_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                os.close(fd)
+                return None
+            time.sleep(0.05)
+        except OSError:  # a filesystem without locks: compile
+            os.close(fd)
+            return None
 
 
 # kernel modules whose ``compiled(...)`` (hashable knobs + arch) can be put behind the cache without editing
