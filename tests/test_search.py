@@ -563,3 +563,35 @@ def test_an_optional_feature_the_search_left_off_is_tried_on_at_the_leader():
         twins = [k for k in s.results if k[2] == 1 and '"pdl":1' in k[1]]
         assert twins, "the leader's PDL twin was remeasured"
         assert (s.decision.params["pdl"] == 1) == expect_on, (gain, s.decision.params)
+
+
+def test_polish_tries_the_winners_of_other_ops_of_the_same_shape(tmp_path):
+    """Two ops with one GEMM shape (TP16 kda.o_proj and mla.o_proj are both 7168 x 768) are each other's nearest
+    neighbours (on the H200 a tensor-core config ran kda.o_proj M=8 at 6.7 us while mla.o_proj M=8, searched
+    apart, kept one at 8.1): a config that won on one is tried on the other."""
+    import dataclasses
+
+    from k3tune.kernels import params_key
+    from k3tune.store.models import ProblemRow
+
+    sp = spec.from_dict({"matrix": {"tp": [16], "batch": [1, 8], "ops": ["kda.o_proj", "mla.o_proj"]},
+                         "buckets": {"tokens": [1, 8], "batch": [1, 8], "query_len": [1]},
+                         "search": {"budget": 30, "samples": 5, "remeasure_top": 2, "polish": 0}})
+    db = store_db.open_db(str(tmp_path / "twins.sqlite"))
+    first = run_sweep(_opts(db, sp))
+    assert first.problems_done == first.problems_total == 4 and not first.no_winner
+    # another machine's winner for kda.o_proj M=8: a config mla.o_proj M=8's own search did not try
+    other = {"m_tiles": 1, "warps_n": 1, "warps_k": 4, "tile_m": 8, "split_k": 1, "bk": 128, "stages": 6,
+             "reduce": 0, "pdl": 0}
+    with db.session() as s:
+        pid = {k: i for i, k in s.execute(select(ProblemRow.id, ProblemRow.key)).all()}
+        twin, kda = pid["mla.o_proj[M=8,N=7168,K=768]"], pid["kda.o_proj[M=8,N=7168,K=768]"]
+        assert ("gemm.splitk_tc", params_key(other)) not in {
+            (t.family, t.params_key) for t in s.scalars(select(Trial).where(Trial.problem_id == twin))}
+        w = s.scalar(select(Winner).where(Winner.problem_id == kda))
+        w.family, w.params = "gemm.splitk_tc", other
+    polished = run_sweep(_opts(db, dataclasses.replace(sp, search=dataclasses.replace(sp.search, polish=8))))
+    assert polished.polish_passes >= 1 and polished.polished >= 1
+    with db.session() as s:
+        assert ("gemm.splitk_tc", params_key(other)) in {
+            (t.family, t.params_key) for t in s.scalars(select(Trial).where(Trial.problem_id == twin))}

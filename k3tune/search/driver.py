@@ -182,6 +182,9 @@ def run_sweep(opt: SweepOptions) -> SweepStats:
         raise
     stats.run_id = run_id
     neighbours: dict[str, list[tuple[plans.Problem, str, dict]]] = {}
+    # winners by kind and dims: another op of the same shape (H200 dense: TP8 kda.o_proj and mla.o_proj are both
+    # 7168 x 1536; moe.shared_w2 TP8 and both o_proj TP16 are 7168 x 768) is the nearest neighbour there is
+    twins: dict[tuple, list[tuple[plans.Problem, str, dict]]] = {}
 
     def load_neighbours() -> None:
         """Every stored winner of this hardware and backend (stale ones too: a suggestion, re-measured)."""
@@ -189,9 +192,12 @@ def run_sweep(opt: SweepOptions) -> SweepStats:
             won = s.execute(select(Winner.problem_id, Winner.family, Winner.params)
                             .where(Winner.hardware_id == hw_id, Winner.backend == label)).all()
         neighbours.clear()
+        twins.clear()
         for pid, fam, params in won:
             if pid in by_id:
-                neighbours.setdefault(by_id[pid].op, []).append((by_id[pid], fam, params))
+                q = by_id[pid]
+                neighbours.setdefault(q.op, []).append((q, fam, params))
+                twins.setdefault((q.kind, q.dims), []).append((q, fam, params))
 
     load_neighbours()
 
@@ -215,10 +221,12 @@ def run_sweep(opt: SweepOptions) -> SweepStats:
     polishing = False  # a polish pass: more neighbours' winners, no TPE
 
     def near_winners(p: plans.Problem) -> list[tuple[plans.Problem, str, dict]]:
-        """The problem's own stored winners (of older kernel versions) and those of the nearest others."""
+        """The problem's own stored winners (of older kernel versions), those of other ops of its shape and those
+        of the nearest problems of its op."""
         mine = [n for n in neighbours.get(p.op, []) if n[0] == p]
+        same_shape = sorted((n for n in twins.get((p.kind, p.dims), []) if n[0] != p), key=lambda n: n[0].op)
         others = sorted((n for n in neighbours.get(p.op, []) if n[0] != p), key=lambda n: _neighbour_distance(n[0], p))
-        return mine + others[:polish.NEIGHBOURS if polishing else 2]
+        return mine + same_shape + others[:polish.NEIGHBOURS if polishing else 2]
 
     def built(pid: int, cand: Candidate) -> bool:
         farm.submit(by_id[pid], cand.family, cand.params)  # a fresh TPE sample: its build starts now

@@ -1,5 +1,6 @@
 """Polish passes: after every problem of a sweep is decided, try on each problem the winners of its nearest
-neighbours (same op; other M, other TP) that it has not tried, then remeasure and decide again.
+neighbours (other ops of the same shape; the same op at other M, other TP) that it has not tried, then
+remeasure and decide again.
 
 A search of a few dozen trials over a space of thousands can miss a config that won next door (H200 dense sweep,
 session 9: a tensor-core config at 3.9 us for M = 8 while M = 4 and 16 kept cuBLAS at 5.6). Searches take warm
