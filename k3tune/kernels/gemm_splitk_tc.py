@@ -31,8 +31,8 @@ no fence/atomic chain at the end of the first). (A thread-block cluster reducing
 DSMEM was measured slower, 1.1-1.2x, on the H200: NOTES.md, session 6.)
 
 M (tokens) is dynamic: one compile per knob set and arch serves every M and every projection shape; tokens
-beyond M and rows beyond N are clamped on load and masked on store. Constraints: K a multiple of bk x split_k,
-16-byte aligned rows.
+beyond M are not loaded, rows beyond N are clamped on load, and both are masked on store. Constraints: K a
+multiple of bk x split_k, 16-byte aligned rows.
 
 Run the numerics check on a GPU: ``pytest -m gpu tests/test_gpu_kernels.py``.
 """
@@ -378,13 +378,18 @@ def _kernel_class():
 
         @cute.jit
         def _issue_x(self, mX, sX, g2s, kt, slot, tidx, tok0, m):
-            """The same for the x tile (tokens past M clamped); its vectors need not divide among the threads."""
+            """The same for the x tile; its vectors need not divide among the threads. Tokens past M are not
+            loaded at all: their smem rows hold whatever they held, which reaches only accumulator columns that
+            are never stored (each token is its own MMA column). Loading them clamped to token M - 1 made every
+            CTA fetch the same few L2 lines several times a stage: with a 7168 x 1536 weight the same kernel took
+            6.6 us at M = 8, 8.4 at M = 4 and 9.9 at M = 2 (H200, bench/alloc_spread.py, NOTES session 10)."""
             for i in cutlass.range_constexpr(self.x_copies):
                 q = tidx + i * self.threads
                 if cutlass.const_expr((i + 1) * self.threads <= self.tm * self.vr):
-                    self._copy_vec(mX, sX, g2s, q, kt * self.bk, slot, self.tm, tok0, m)
+                    if tok0 + q // self.vr < m:
+                        self._copy_vec(mX, sX, g2s, q, kt * self.bk, slot, self.tm, tok0, m)
                 else:
-                    if q < self.tm * self.vr:
+                    if q < self.tm * self.vr and tok0 + q // self.vr < m:
                         self._copy_vec(mX, sX, g2s, q, kt * self.bk, slot, self.tm, tok0, m)
 
         @cute.jit
