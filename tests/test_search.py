@@ -10,7 +10,7 @@ import time
 import pytest
 from sqlalchemy import func, select
 
-from k3tune.kernels import families_for, family
+from k3tune.kernels import families_for, family, params_key
 from k3tune.plan import hardware, model, spec
 from k3tune.plan.problems import Problem
 from k3tune.search.driver import SweepOptions, run_sweep
@@ -407,7 +407,6 @@ O_PROJ_M1_SPEC = {"matrix": {"tp": [16], "batch": [1], "ops": ["kda.o_proj"]},
 
 def _store_trial(db, fam, params: dict, round_: int, median: float, method: str) -> None:
     """One trial of O_PROJ_M1 recorded as an earlier simulated run would have."""
-    from k3tune.kernels import params_key
     from k3tune.store import records
     from k3tune.store.models import Backend, TrialStatus
 
@@ -571,7 +570,6 @@ def test_polish_tries_the_winners_of_other_ops_of_the_same_shape(tmp_path):
     apart, kept one at 8.1): a config that won on one is tried on the other."""
     import dataclasses
 
-    from k3tune.kernels import params_key
     from k3tune.store.models import ProblemRow
 
     sp = spec.from_dict({"matrix": {"tp": [16], "batch": [1, 8], "ops": ["kda.o_proj", "mla.o_proj"]},
@@ -595,3 +593,21 @@ def test_polish_tries_the_winners_of_other_ops_of_the_same_shape(tmp_path):
     with db.session() as s:
         assert ("gemm.splitk_tc", params_key(other)) in {
             (t.family, t.params_key) for t in s.scalars(select(Trial).where(Trial.problem_id == twin))}
+
+
+def test_a_neighbours_winner_is_also_tried_with_this_problems_token_tile():
+    """The winner at M=8 kept its problem's default 8-token tile: at M=16 it is tried as it is (two passes over
+    the weights) and with M=16's default 16-token tile; the knobs it tuned away from its default stay."""
+    from k3tune.search.strategy import known_candidates
+
+    fam = family("gemm.splitk_tc")
+    at8 = Problem("kda.o_proj", "gemm", (("M", 8), ("N", 7168), ("K", 1536)))
+    at16 = Problem("kda.o_proj", "gemm", (("M", 16), ("N", 7168), ("K", 1536)))
+    won = {"m_tiles": 1, "warps_n": 1, "warps_k": 4, "tile_m": 8, "split_k": 1, "bk": 128, "stages": 6, "reduce": 0,
+           "pdl": 1}
+    assert fam.default_config(at8).params()["tile_m"] == 8 and fam.default_config(at16).params()["tile_m"] == 16
+    settings = spec.load("smoke").search
+    keys = {c.key for c in known_candidates(at16, [fam], settings, [("gemm.splitk_tc", won, at8)])}
+    assert params_key(won) in keys and params_key({**won, "tile_m": 16}) in keys
+    plain = {c.key for c in known_candidates(at16, [fam], settings, [("gemm.splitk_tc", won)])}
+    assert params_key({**won, "tile_m": 16}) not in plain, "without the source problem: as it is only"

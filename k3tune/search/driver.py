@@ -238,7 +238,7 @@ def run_sweep(opt: SweepOptions) -> SweepStats:
         with opt.db.session() as s:
             stored = records.stored_trials(s, hw_id, pid, {f.name: fam_digests[f.name] for f in fams}, method)
         search = ProblemSearch(p, fams, opt.spec.search, seed=opt.spec.search.seed + pid, stored=stored,
-                               warm=[(f, prm) for _, f, prm in near_winners(p)], tpe=not polishing)
+                               warm=[(f, prm, q) for q, f, prm in near_winners(p)], tpe=not polishing)
         if not polishing:  # a polish pass re-reads the trials its search just stored
             stats.reused += len(stored) - len(search.refused)
         stats.refused.extend(search.refused)
@@ -283,7 +283,7 @@ def run_sweep(opt: SweepOptions) -> SweepStats:
             while True:  # the search, then polish passes until no neighbour's winner is left untried
                 # while the workers start: every problem's known candidates to the farm, in claim order
                 farm.submit_known([by_id[pid] for pid in wanted], opt.backend, opt.spec.search,
-                                  lambda p: [(f, prm) for _, f, prm in near_winners(p)])
+                                  lambda p: [(f, prm, q) for q, f, prm in near_winners(p)])
                 while True:
                     if len(active) < target_active:
                         with opt.db.session() as s:

@@ -65,7 +65,7 @@ class Planner:
             if pid not in self._base:
                 self._base[pid] = {(c.family, c.key) for c in known_candidates(p, fams, self.settings)}
             new = sorted({(c.family, c.key) for c in known_candidates(
-                p, fams, self.settings, [(f, prm) for _, f, prm in self.near(p)])} - self._base[pid] - tried)
+                p, fams, self.settings, [(f, prm, q) for q, f, prm in self.near(p)])} - self._base[pid] - tried)
             if new:
                 untried[pid] = new
         key = CLAIM_PREFIX + hashlib.sha256(repr(sorted(untried.items())).encode()).hexdigest()[:16]

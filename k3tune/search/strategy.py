@@ -64,23 +64,29 @@ class Decision:
 
 
 def known_candidates(problem: Problem, families: list[KernelFamily], settings: SearchSettings,
-                     warm: list[tuple[str, dict]] = ()) -> list[Candidate]:
+                     warm: list[tuple] = ()) -> list[Candidate]:
     """What a search measures before TPE, in order, known before anything is measured: every family's default,
-    its seeds, the winners of neighbouring problems (adapted), and the whole space when it fits the budget."""
+    its seeds, the winners of neighbouring problems (adapted; given the problem each won on, also with the
+    shape-dependent knobs it left at that problem's default moved to this one's), and the whole space when it
+    fits the budget."""
     fams = {f.name: f for f in families}
     seeds = [(f, f.default_config(problem)) for f in families]
     seeds += [(f, c) for f in families for c in f.seeds(problem)]
-    for fam_name, params in warm:
+    for fam_name, params, *source in warm:
         if fam_name in fams:
             f = fams[fam_name]
             space, base = f.cached_space(problem), f.default_config(problem).params()
             # a winner of an older kernel version may lack knobs added since (they take the default's
             # value) or hold a value no longer declared (likewise): it is a suggestion, re-measured
             adapted = {k: params[k] if params.get(k) in space[k] else base[k] for k in space}
-            try:
-                seeds.append((f, f.config_from_params(problem, adapted)))
-            except CannotImplement:
-                pass  # a neighbour's winner may not fit this problem
+            tries = [adapted]
+            if source and source[0] is not None and source[0] != problem:
+                tries.append(_follow_defaults(f, source[0], adapted, base))
+            for prm in tries:
+                try:
+                    seeds.append((f, f.config_from_params(problem, prm)))
+                except CannotImplement:
+                    pass  # a neighbour's winner may not fit this problem
     # listed only when the search will measure them all
     if count_configs(problem, families, limit=settings.budget) <= settings.budget:
         seeds += [(f, c) for f in families for c in f.configs(problem)]
@@ -93,13 +99,25 @@ def known_candidates(problem: Problem, families: list[KernelFamily], settings: S
     return queue
 
 
+def _follow_defaults(f, source: Problem, params: dict, base: dict) -> dict:
+    """A neighbour's winner moved to this problem: where it kept its own problem's default for a knob that
+    depends on the shape (the token tile of a tensor-core kernel: 8 at M = 8, 16 at M = 16), this problem's
+    default instead. H200: a config that ran TP8 kda.o_proj M=8 at 6.6 us was tried at M=16 only with its
+    8-token tile (two passes over the weights), never with a 16-token one."""
+    try:
+        theirs = f.default_config(source).params()
+    except CannotImplement:
+        return params
+    return {k: base[k] if k in theirs and v == theirs[k] and base[k] != theirs[k] else v for k, v in params.items()}
+
+
 @dataclass
 class ProblemSearch:
     problem: Problem
     families: list[KernelFamily]
     settings: SearchSettings
     seed: int
-    warm: list[tuple[str, dict]] = field(default_factory=list)  # (family, params) that won nearby
+    warm: list[tuple] = field(default_factory=list)  # (family, params, problem it won on) nearby
     stored: list = field(default_factory=list)  # stored Trial rows with current digests
     tpe: bool = True  # False: only the known candidates (a polish pass: the neighbours' winners), then remeasure
 
