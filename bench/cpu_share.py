@@ -2,6 +2,7 @@
 threads), for pinning a sweep as a node of g GPUs would run it:
 
     taskset -c $(python3 bench/cpu_share.py 1 2) python3 bench/device_sweep.py ...
+    taskset -c $(python3 bench/cpu_share.py 1 2 1) ...    # the second 1-of-2 share (the other GPU's cores)
     python3 bench/cpu_share.py --describe     # cores, threads per core, sockets
 
 Taking the first half of the logical CPU numbers is not a fair share where the numbering interleaves sibling
@@ -37,9 +38,13 @@ def main() -> None:
               f"sockets, up to {max(map(len, cores))} threads per core; first sibling sets {cores[:4]}")
         return
     g, n = (int(a) for a in sys.argv[1:3])
-    if not 0 < g <= n:
-        sys.exit(f"cpu_share: need 0 < g <= N, got {g} of {n}")
-    take = cores[: max(1, len(cores) * g // n)]
+    i = int(sys.argv[3]) if len(sys.argv) > 3 else 0  # which of the machine's N // g such shares
+    if not 0 < g <= n or not 0 <= i < n // g:
+        sys.exit(f"cpu_share: need 0 < g <= N and 0 <= i < N // g, got g={g} N={n} i={i}")
+    size = max(1, len(cores) * g // n)
+    take = cores[i * size:(i + 1) * size]
+    if not take:
+        sys.exit(f"cpu_share: {len(cores)} physical cores have no share {i} of {n // g}")
     print(",".join(str(c) for core in take for c in core))
 
 
