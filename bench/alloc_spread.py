@@ -12,7 +12,8 @@ gets fresh memory. Prints per-variant medians per round, their range, and the wi
 Probes of why a sweep's worker times differ from this fresh process's: ``--idle-ms`` leaves the GPU idle before
 each timing (its clocks drop as they would while a worker waits on a build), ``--warmup-ms`` replays that long
 before timing, ``--fragment N`` allocates and frees N tensors of mixed sizes first (a long-lived worker's
-allocator), ``--extra family:json`` adds a variant with given params (e.g. a config a sweep picked).
+allocator), ``--extra family:json`` (repeatable) adds a variant with given params (e.g. a config a sweep picked;
+skipped on problems it does not fit).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from k3tune.errors import CannotImplement
 from k3tune.kernels import family
 from k3tune.plan import model as models, problems as plans, spec as specs
 from k3tune.runtime import Selector
@@ -63,9 +65,12 @@ def main() -> None:
         fam = family(choice.family)
         if fam.name != "gemm.cublas":
             variants[f"tuned:{fam.name}"] = (fam, fam.config_from_params(p, dict(choice.params)))
-        for ex in args.extra:
+        for i, ex in enumerate(args.extra):
             name, params = ex.split(":", 1)
-            variants[f"extra:{name}"] = (family(name), family(name).config_from_params(p, json.loads(params)))
+            try:
+                variants[f"extra{i}:{name}"] = (family(name), family(name).config_from_params(p, json.loads(params)))
+            except CannotImplement as e:  # e.g. a 16-token tile at M = 4: the other problems still run
+                print(f"# extra{i} skipped for {p.key}: {e}")
         runs = {name: f.build(p, cfg) for name, (f, cfg) in variants.items()}
         held, per = [], {name: [] for name in variants}
         for r in range(args.rounds):
