@@ -603,7 +603,7 @@ def test_a_neighbours_winner_is_also_tried_with_this_problems_token_tile():
     fam = family("gemm.splitk_tc")
     at8 = Problem("kda.o_proj", "gemm", (("M", 8), ("N", 7168), ("K", 1536)))
     at16 = Problem("kda.o_proj", "gemm", (("M", 16), ("N", 7168), ("K", 1536)))
-    won = {"m_tiles": 1, "warps_n": 1, "warps_k": 4, "tile_m": 8, "split_k": 1, "bk": 128, "stages": 6, "reduce": 0,
+    won = {"m_tiles": 1, "warps_n": 1, "warps_k": 4, "tile_m": 8, "split_k": 1, "bk": 128, "stages": 8, "reduce": 0,
            "pdl": 1}
     assert fam.default_config(at8).params()["tile_m"] == 8 and fam.default_config(at16).params()["tile_m"] == 16
     settings = spec.load("smoke").search
