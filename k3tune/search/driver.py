@@ -133,7 +133,6 @@ def hand_out(active: dict[int, ProblemSearch], n_idle: int,
 def run_sweep(opt: SweepOptions) -> SweepStats:
     t_start = time.monotonic()
     plan = plans.build(opt.spec, opt.model)
-    fp = fingerprint_for(opt.backend, opt.hw)
     label = BACKEND_LABEL[opt.backend]
     stats = SweepStats()
     tunable: list[plans.Problem] = []
@@ -158,6 +157,7 @@ def run_sweep(opt: SweepOptions) -> SweepStats:
         pool.start()  # now, while the database is set up: a worker's imports and CUDA start take seconds
         stats.pool_started_s = time.monotonic() - t_start
     try:
+        fp = fingerprint_for(opt.backend, opt.hw)  # after the workers' start: on a GPU it starts CUDA here too
         digests = {op: op_digest(op, opt.backend) for op in {p.op for p in tunable}}
         fam_digests = {f.name: f.digest for f in FAMILIES.values()}
         method = method_digest(opt.backend)  # trials timed another way are neither reused nor overwritten
