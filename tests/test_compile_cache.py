@@ -117,19 +117,26 @@ time.sleep(600)
 """
 
 
-def test_a_lock_held_by_a_killed_process_is_free_at_once(cache, monkeypatch):
-    """A sweep worker killed -9 while compiling (s10-r2: its lock file kept every worker that wanted the
-    kernel waiting 2 minutes) holds nothing: the next process takes the lock and compiles without waiting."""
+def _lock_holder(cache):
+    """A process holding the allreduce test kernel's compile lock (started, and holding it, when this returns)."""
     import subprocess
     import sys
 
-    from k3tune.kernels import compile_cache
     from k3tune.kernels.compile_cache import entry_name
 
     name = entry_name("allreduce", (2, False, 1e-6, 1, "sm_90a"), ("k3tune.kernels.allreduce",))
     holder = subprocess.Popen([sys.executable, "-c", _HOLD_LOCK, str(cache / f".{name}.lock")],
                               stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "locked"
+    return holder
+
+
+def test_a_lock_held_by_a_killed_process_is_free_at_once(cache, monkeypatch):
+    """A sweep worker killed -9 while compiling (s10-r2: its lock file kept every worker that wanted the
+    kernel waiting 2 minutes) holds nothing: the next process takes the lock and compiles without waiting."""
+    from k3tune.kernels import compile_cache
+
+    holder = _lock_holder(cache)
     holder.kill()
     holder.wait(timeout=30)
     monkeypatch.setattr(compile_cache, "LOCK_WAIT_S", 1e9)  # were the lock still held, this test would hang
@@ -140,17 +147,10 @@ def test_a_lock_held_by_a_killed_process_is_free_at_once(cache, monkeypatch):
 
 def test_a_lock_held_by_a_live_process_is_waited_for_then_ignored(cache, monkeypatch):
     """A live holder (still compiling) is waited for at most LOCK_WAIT_S, then the kernel is compiled anyway."""
-    import subprocess
-    import sys
-
     from k3tune.kernels import compile_cache
-    from k3tune.kernels.compile_cache import entry_name
 
-    name = entry_name("allreduce", (2, False, 1e-6, 1, "sm_90a"), ("k3tune.kernels.allreduce",))
-    holder = subprocess.Popen([sys.executable, "-c", _HOLD_LOCK, str(cache / f".{name}.lock")],
-                              stdout=subprocess.PIPE, text=True)
+    holder = _lock_holder(cache)
     try:
-        assert holder.stdout.readline().strip() == "locked"
         monkeypatch.setattr(compile_cache, "LOCK_WAIT_S", 0.5)
         before = len(compile_cache.COMPILED)
         assert callable(_compile_allreduce())

@@ -24,7 +24,7 @@ from k3tune.store import records
 from k3tune.store.db import Database
 from k3tune.store.models import Backend, Winner
 
-NEIGHBOURS = 4  # a pass tries the winners of this many nearest problems of the same op
+NEIGHBOURS = 4  # a pass tries the winners of this many nearest problems of the same op (and of every same-shape op)
 CLAIM_PREFIX = "polish:"  # a pass's claims are keyed CLAIM_PREFIX + the digest of what it will try
 
 
