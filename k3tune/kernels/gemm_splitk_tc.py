@@ -123,16 +123,20 @@ class SplitKTensorCoreGemm(KernelFamily):
         return seeds[0] if seeds else SplitKConfig()
 
     def seeds(self, problem: Problem) -> list[SplitKConfig]:
-        """Layouts that fill the GPU: each with the smallest split-K giving >= 2 CTAs per SM (H200/GB300)."""
+        """Layouts that fill the GPU: each with the smallest split-K giving >= 2 CTAs per SM (H200/GB300), with
+        programmatic dependent launch (each of the 84 tensor-core winners of the H200 dense sweep used it; the
+        search remeasures the leader without it, ``off``). Token tiles stop at 32: at M = 64 every 64-token tile
+        the H200 sweeps measured lost to cuBLAS (TP8 kda.o_proj 16.1 us vs 8.7) while 32-token ones won on the
+        narrow shapes (mla.kv_a 7.8 vs 9.2). The one-warp-row layout runs a 6-stage ring (22 of those winners)."""
         m, n = problem["M"], problem["N"]
-        tile_m = min(64, max(8, _pow2_ceil(m)))
+        tile_m = min(32, max(8, _pow2_ceil(m)))
         out = []
-        for mt, wn, wk, bk, st in ((1, 4, 1, 64, 4), (1, 2, 2, 128, 4), (2, 2, 1, 64, 4), (1, 1, 4, 128, 3)):
+        for mt, wn, wk, bk, st in ((1, 4, 1, 64, 4), (1, 2, 2, 128, 4), (2, 2, 1, 64, 4), (1, 1, 4, 128, 6)):
             row_ctas = math.ceil(n / (16 * mt * wn)) * math.ceil(m / tile_m)
             for split in (1, 2, 4, 8, 16):
                 for b in (bk, 64, 32):  # K slices too short for this bk take a smaller one
                     cfg = SplitKConfig(m_tiles=mt, warps_n=wn, warps_k=min(wk, b // KCHUNK), tile_m=tile_m,
-                                       split_k=split, bk=b, stages=st)
+                                       split_k=split, bk=b, stages=st, pdl=1)
                     if self.valid(cfg, problem):
                         break
                 if self.valid(cfg, problem) and (row_ctas * split >= 264 or split == 16):
@@ -140,8 +144,6 @@ class SplitKTensorCoreGemm(KernelFamily):
                     if split > 1:  # the same split, summed by a second kernel
                         out.append(dataclasses.replace(cfg, reduce=1))
                     break
-        if out:  # the first layout again with programmatic dependent launch
-            out.append(dataclasses.replace(out[0], pdl=1))
         return list(dict.fromkeys(out))
 
     def work(self, problem: Problem, cfg: SplitKConfig) -> Work:
