@@ -10,7 +10,6 @@ from rich.table import Table
 
 from k3tune.cli.common import ConfigOption, JsonOption, SpecOption, console, db_target, print_json
 from k3tune.errors import DatabaseError
-from k3tune.kernels import op_digest
 from k3tune.plan import model as models, problems as plans, spec as specs
 from k3tune.store import db as store_db
 from k3tune.store import inspect, transfer
@@ -81,10 +80,7 @@ def export(src: Annotated[str, typer.Argument(help="Database to export from.")],
 
     Example: k3tune db export k3tune.sqlite tuning_db/h200.sqlite --hardware H200
     """
-    def current(op: str, digest: str, backend: str) -> bool:
-        return op in plans.OPS and digest == op_digest(op, inspect.BACKEND_OF[backend])
-
-    st = transfer.export(_open(src, readonly=True), dest, hardware=hardware, keep=None if stale else current)
+    st = transfer.export(_open(src, readonly=True), dest, hardware=hardware, keep=None if stale else inspect.is_current)
     if json:
         print_json(vars(st))
     else:

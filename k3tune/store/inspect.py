@@ -18,6 +18,12 @@ BACKEND_OF = {"measured": "gpu", "simulated": "simulated", "cpu": "cpu"}
 REGRESSION_FLOOR = 0.03  # slower by more than this fraction (and the spreads) counts as a regression
 
 
+def is_current(op: str, digest: str, backend: str) -> bool:
+    """Whether a winner recorded with this op digest and backend ('measured', ...) still matches the kernels'
+    sources (the ``keep`` of ``transfer.export`` that leaves stale winners out)."""
+    return op in plans.OPS and digest == op_digest(op, BACKEND_OF[backend])
+
+
 def show(db: Database) -> dict:
     with db.session() as s:
         hw = [dict(name=h.name, cc=h.compute_capability, sms=h.sm_count, memory_gib=h.memory_gib, driver=h.driver,
@@ -69,8 +75,7 @@ def verify(db: Database, plan: plans.Plan | None = None) -> Verification:
     have: dict[str, set[str]] = {}
     for w, p, h in rows:
         v.winners += 1
-        backend = BACKEND_OF[w.backend.value]
-        if p.op not in plans.OPS or w.op_digest != op_digest(p.op, backend):
+        if not is_current(p.op, w.op_digest, w.backend.value):
             v.stale.append(f"{h.class_key} {p.key}")
             continue
         problem = plans.Problem(p.op, p.kind, tuple(p.dims.items()))

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# One device call for a change that re-keys the dense winners (a kernel or its search space): the kernels' GPU
+# tests, a dense sweep warm-started from the shipped DB on N GPUs, its export, then bench/gemm.py on the new DB
+# (GPU 0, this tree) beside the shipped DB on the code it was tuned with (GPU 1, the tree unpacked from BASE, a
+# `git archive` of the base commit: make it before the call, it travels as an untracked file), one process per GPU.
+# Usage (device tool, kind nvidia-h200-x2, carry [".carry"]):
+#   git archive --prefix=base/ main k3tune configs bench/gemm.py tuning_db pyproject.toml | xz > base.tar.xz
+#   TESTS="-k splitk" BASE=base.tar.xz bash bench/resweep_compare.sh [N]
+set -uo pipefail
+source .carry/cutedsl/unpack.sh || exit 1
+N=${1:-2}
+nvidia-smi --query-gpu=index,name,clocks.sm,temperature.gpu --format=csv
+if [ -n "${TESTS:-}" ]; then
+  timeout ${TESTS_S:-150} python3 -m pytest -q -m gpu tests/test_gpu_kernels.py $TESTS > $OUT/gpu-tests.log 2>&1
+  echo "gpu tests rc=$?"; tail -3 $OUT/gpu-tests.log
+fi
+cp tuning_db/h200.sqlite /tmp/sweep.sqlite
+K3TUNE_KERNEL_CACHE=$(mktemp -d) K3TUNE_WORKER_KERNEL_CACHE=1 timeout ${SWEEP_S:-240} python3 bench/device_sweep.py \
+  --spec ${SPEC:-configs/sweep_h200_dense.toml} --db /tmp/sweep.sqlite --gpus $N --compile-procs ${COMPILE_PROCS:-29} \
+  > $OUT/sweep.log 2>&1
+echo "sweep rc=$?"
+grep -E '"(trials|seconds|failed|problems_done|polish_passes|polish_changed)"' $OUT/sweep.log
+python3 -c "from k3tune.store.db import Database; from k3tune.store.inspect import is_current; \
+from k3tune.store.transfer import export; \
+print(export(Database('/tmp/sweep.sqlite', create=False), '$OUT/new.sqlite', hardware='H200', keep=is_current))" || exit 1
+GEMM_ARGS=${GEMM_ARGS:---samples 9 --rounds 3}
+CUDA_VISIBLE_DEVICES=0 timeout ${BENCH_S:-200} python3 bench/gemm.py --db $OUT/new.sqlite $GEMM_ARGS \
+  --out $OUT/gemm-new.json > $OUT/gemm-new.log 2>&1 &
+if [ -n "${BASE:-}" ]; then
+  mkdir -p /tmp/basetree && tar -xf $BASE -C /tmp/basetree
+  (cd /tmp/basetree/base && CUDA_VISIBLE_DEVICES=1 PYTHONPATH=$PWD:$PYTHONPATH timeout ${BENCH_S:-200} python3 \
+    bench/gemm.py --db tuning_db/h200.sqlite $GEMM_ARGS --out $OUT/gemm-base.json > $OUT/gemm-base.log 2>&1)
+fi
+wait
+for f in $OUT/gemm-*.log; do
+  echo "== $f"; grep -E '"geomean_speedup_vs_cublas_m_le_64"|min_roofline|slower_than' $f
+  grep -A8 '"geomean_speedup_vs_cublas_by_m"' $f | tr -d '\n '; echo
+done
+xz -9 $OUT/*.json 2>/dev/null
