@@ -13,6 +13,7 @@ from sqlalchemy import func, select
 from k3tune.kernels import families_for, family, params_key
 from k3tune.plan import hardware, model, spec
 from k3tune.plan.problems import Problem
+from k3tune.search import driver
 from k3tune.search.driver import SweepOptions, run_sweep
 from k3tune.search.method import method_digest
 from k3tune.search.outcome import Task
@@ -290,6 +291,21 @@ def test_cpu_sweep_records_failures_and_still_picks_a_correct_winner(monkeypatch
     assert status['{"block_k":128}'].value == "runtime_failed"
     assert status['{"block_k":512}'].value == "wrong_result"
     assert w.params.get("block_k") not in (128, 512)
+
+
+def test_workers_start_before_the_driver_touches_the_gpu(monkeypatch, db_path):
+    """The driver's own CUDA start (the farm's arch, the hardware fingerprint) takes seconds on a GPU: the
+    workers' start, which takes longer, must not wait behind it."""
+    order = []
+    start = driver.WorkerPool.start
+    monkeypatch.setattr(driver.WorkerPool, "start", lambda self: (order.append("pool"), start(self))[1])
+    monkeypatch.setattr(driver, "current_arch", lambda: (order.append("arch"), "sm_90a")[1])
+    fingerprint = driver.fingerprint_for
+    monkeypatch.setattr(driver, "fingerprint_for", lambda *a: (order.append("fingerprint"), fingerprint(*a))[1])
+    sp = spec.from_dict({"matrix": {"tp": [16], "batch": [1], "ops": ["kda.o_proj"]},
+                         "buckets": {"tokens": [1], "batch": [1], "query_len": [1]}, "search": {"budget": 4}})
+    run_sweep(_opts(store_db.open_db(db_path), sp))
+    assert order[:3] == ["pool", "arch", "fingerprint"]
 
 
 def test_a_lost_gpu_costs_its_trial_in_flight_not_the_sweep(monkeypatch, db_path):

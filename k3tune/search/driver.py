@@ -150,12 +150,15 @@ def run_sweep(opt: SweepOptions) -> SweepStats:
         raise ConfigError(f"nothing to tune on the {opt.backend} backend for spec {opt.spec.name}")
     backend_spec = ("simulated", opt.hw.key, opt.spec.search.seed) if opt.backend == "simulated" else (opt.backend,)
     procs = default_procs(opt.workers) if opt.compile_procs is None else opt.compile_procs
-    farm = CompileFarm(procs if opt.backend == "gpu" else 0, current_arch())  # spawns on its first submit
-    worker_env = {"K3TUNE_WORKER_KERNEL_CACHE": "1"} if farm.procs else {}  # workers load what the farm built
+    procs = procs if opt.backend == "gpu" else 0
+    worker_env = {"K3TUNE_WORKER_KERNEL_CACHE": "1"} if procs else {}  # workers load what the farm built
     pool = WorkerPool(opt.workers, backend_spec, opt.trial_timeout_s, pin_gpus=opt.backend == "gpu", env=worker_env)
     if not any(p.kind == "allreduce" for p in tunable):  # collectives come first, on these GPUs: not beside workers
         pool.start()  # now, while the database is set up: a worker's imports and CUDA start take seconds
         stats.pool_started_s = time.monotonic() - t_start
+    # after the workers' start: on a GPU, current_arch starts CUDA in the driver (2.6-3.3 s before the pool in
+    # the s11 H200 sweeps); the farm spawns on its first submit
+    farm = CompileFarm(procs, current_arch())
     try:
         fp = fingerprint_for(opt.backend, opt.hw)  # after the workers' start: on a GPU it starts CUDA here too
         digests = {op: op_digest(op, opt.backend) for op in {p.op for p in tunable}}
