@@ -611,6 +611,39 @@ def test_polish_tries_the_winners_of_other_ops_of_the_same_shape(tmp_path):
             (t.family, t.params_key) for t in s.scalars(select(Trial).where(Trial.problem_id == twin))}
 
 
+def test_polish_tries_the_winners_of_other_ops_at_the_same_token_count(tmp_path):
+    """TP16 mla.gate (768 x 7168) and moe.router_latent (280 x 7168) at M=1: a config that won on one is tried on
+    the other in a polish pass (two H200 sweeps each missed a config the other found on such neighbours); the
+    winners of other token counts of another op are not."""
+    import dataclasses
+
+    from k3tune.store.models import ProblemRow
+
+    sp = spec.from_dict({"matrix": {"tp": [16], "batch": [1, 8], "ops": ["mla.gate", "moe.router_latent"]},
+                         "buckets": {"tokens": [1, 8], "batch": [1, 8], "query_len": [1]},
+                         "search": {"budget": 30, "samples": 5, "remeasure_top": 2, "polish": 0}})
+    db = store_db.open_db(str(tmp_path / "cross.sqlite"))
+    first = run_sweep(_opts(db, sp))
+    assert first.problems_done == first.problems_total == 4 and not first.no_winner
+    other = {"pdl": 1, "rows_per_cta": 8, "split_k": 16, "unroll": 4, "warps": 8}  # outside the smallm seeds
+    with db.session() as s:
+        pid = {k: i for i, k in s.execute(select(ProblemRow.id, ProblemRow.key)).all()}
+        gate1 = next(v for k, v in pid.items() if k.startswith("mla.gate[M=1,"))
+        router1 = next(v for k, v in pid.items() if k.startswith("moe.router_latent[M=1,"))
+        router8 = next(v for k, v in pid.items() if k.startswith("moe.router_latent[M=8,"))
+        tried = {(t.family, t.params_key) for t in s.scalars(select(Trial).where(Trial.problem_id.in_([router1, router8])))}
+        assert ("gemm.smallm", params_key(other)) not in tried
+        w = s.scalar(select(Winner).where(Winner.problem_id == gate1))
+        w.family, w.params = "gemm.smallm", other
+    polished = run_sweep(_opts(db, dataclasses.replace(sp, search=dataclasses.replace(sp.search, polish=8))))
+    assert polished.polish_passes >= 1
+    with db.session() as s:
+        def tried_on(q):
+            return {(t.family, t.params_key) for t in s.scalars(select(Trial).where(Trial.problem_id == q))}
+        assert ("gemm.smallm", params_key(other)) in tried_on(router1)
+        assert ("gemm.smallm", params_key(other)) not in tried_on(router8)
+
+
 def test_a_neighbours_winner_is_also_tried_with_this_problems_token_tile():
     """The winner at M=8 kept its problem's default 8-token tile: at M=16 it is tried as it is (two passes over
     the weights) and with M=16's default 16-token tile; the knobs it tuned away from its default stay."""

@@ -188,6 +188,10 @@ def run_sweep(opt: SweepOptions) -> SweepStats:
     # winners by kind and dims: another op of the same shape (H200 dense: TP8 kda.o_proj and mla.o_proj are both
     # 7168 x 1536; moe.shared_w2 TP8 and both o_proj TP16 are 7168 x 768) is the nearest neighbour there is
     twins: dict[tuple, list[tuple[plans.Problem, str, dict]]] = {}
+    # winners by kind and token count: in a polish pass a problem also tries the winners of the other ops nearest
+    # in shape at its M (two H200 dense sweeps, 1 and 2 GPUs, each missed a config the other found, e.g. TP16
+    # mla.gate M=1 at 5.45 us where the M=1 small-M layout that wins the 1536-row shapes ran 4.57)
+    same_m: dict[tuple, list[tuple[plans.Problem, str, dict]]] = {}
 
     def load_neighbours() -> None:
         """Every stored winner of this hardware and backend (stale ones too: a suggestion, re-measured)."""
@@ -196,11 +200,14 @@ def run_sweep(opt: SweepOptions) -> SweepStats:
                             .where(Winner.hardware_id == hw_id, Winner.backend == label)).all()
         neighbours.clear()
         twins.clear()
+        same_m.clear()
         for pid, fam, params in won:
             if pid in by_id:
                 q = by_id[pid]
                 neighbours.setdefault(q.op, []).append((q, fam, params))
                 twins.setdefault((q.kind, q.dims), []).append((q, fam, params))
+                if "M" in dict(q.dims):
+                    same_m.setdefault((q.kind, q["M"]), []).append((q, fam, params))
 
     load_neighbours()
 
@@ -229,7 +236,11 @@ def run_sweep(opt: SweepOptions) -> SweepStats:
         mine = [n for n in neighbours.get(p.op, []) if n[0] == p]
         same_shape = sorted((n for n in twins.get((p.kind, p.dims), []) if n[0] != p), key=lambda n: n[0].op)
         others = sorted((n for n in neighbours.get(p.op, []) if n[0] != p), key=lambda n: _neighbour_distance(n[0], p))
-        return mine + same_shape + others[:polish.NEIGHBOURS if polishing else 2]
+        if not polishing:
+            return mine + same_shape + others[:2]
+        at_m = sorted((n for n in same_m.get((p.kind, p["M"]), []) if n[0].op != p.op and n[0].dims != p.dims),
+                      key=lambda n: (_neighbour_distance(n[0], p), n[0].op)) if "M" in dict(p.dims) else []
+        return mine + same_shape + others[:polish.NEIGHBOURS] + at_m[:polish.CROSS_OP]
 
     def built(pid: int, cand: Candidate) -> bool:
         farm.submit(by_id[pid], cand.family, cand.params)  # a fresh TPE sample: its build starts now
