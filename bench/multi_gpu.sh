@@ -59,4 +59,7 @@ grep -E '"(trials|seconds|failed|problems_done|workers_replaced|workers_retired)
 fi
 shopt -s nullglob
 for f in $OUT/*.sqlite; do python3 -c "import sqlite3,sys; sqlite3.connect(sys.argv[1]).execute('PRAGMA wal_checkpoint(TRUNCATE)')" $f; done
+# winners 1 vs N GPUs, and 1 vs 1 (two loaded copies): up to the run-to-run noise the sweeps themselves show
+[ -f $OUT/gpus1.sqlite ] && [ -f $OUT/gpus$N.sqlite ] && python3 bench/winners_agree.py $OUT/gpus1.sqlite $OUT/gpus$N.sqlite
+[ -f $OUT/gpus1.sqlite ] && [ -f $OUT/gpus1-copy1.sqlite ] && python3 bench/winners_agree.py $OUT/gpus1.sqlite $OUT/gpus1-copy1.sqlite
 rm -f $OUT/*-wal $OUT/*-shm  # only 8 files come back from a device call

@@ -660,3 +660,29 @@ def test_a_neighbours_winner_is_also_tried_with_this_problems_token_tile():
     assert params_key(won) in keys and params_key({**won, "tile_m": 16}) in keys
     plain = {c.key for c in known_candidates(at16, [fam], settings, [("gemm.splitk_tc", won)])}
     assert params_key({**won, "tile_m": 16}) not in plain, "without the source problem: as it is only"
+
+
+def test_winners_agree_counts_every_shared_problem_once(tmp_path):
+    """bench/winners_agree.py on two simulated sweeps of one spec with different search seeds: every problem both
+    sweeps decided is counted once, as the same winner, a tie, beyond, or not cross-measured."""
+    import dataclasses
+    import importlib.util
+    from pathlib import Path
+
+    spec_path = Path(__file__).resolve().parents[1] / "bench" / "winners_agree.py"
+    mod = importlib.util.module_from_spec(importlib.util.spec_from_file_location("winners_agree", spec_path))
+    mod.__spec__.loader.exec_module(mod)
+    sp = spec.from_dict({"matrix": {"tp": [8, 16], "batch": [1, 8], "ops": ["kda.o_proj", "mla.q_a"]},
+                         "buckets": {"tokens": [1, 8], "batch": [1, 8], "query_len": [1]},
+                         "search": {"budget": 12, "samples": 5, "remeasure_top": 2}})
+    paths = []
+    for seed in (0, 1):
+        path = str(tmp_path / f"s{seed}.sqlite")
+        run_sweep(_opts(store_db.open_db(path), dataclasses.replace(sp, search=dataclasses.replace(sp.search, seed=seed))))
+        paths.append(path)
+    r = mod.agree(*paths)
+    assert r["shared_configs"] > 0 and r["band_p5_p95"][0] <= 1.0 <= r["band_p5_p95"][1]
+    decided = len(mod.load(paths[0])[1])  # 6: TP8 and TP16 mla.q_a are one problem (1536 x 7168)
+    assert decided == 6 and r["same"] + r["tie"] + len(r["beyond"]) + len(r["not_cross_measured"]) == decided
+    assert r["same"] < decided, "the seeds gave different winners somewhere"
+    assert mod.agree(paths[0], paths[0])["same"] == decided
