@@ -5,13 +5,13 @@
 # `git archive` of the base commit: make it before the call, it travels as an untracked file), one process per GPU.
 # Usage (device tool, kind nvidia-h200-x2, carry [".carry"]):
 #   git archive --prefix=base/ main k3tune configs bench/gemm.py tuning_db pyproject.toml | xz > base.tar.xz
-#   TESTS="-k splitk" BASE=base.tar.xz bash bench/resweep_compare.sh [N]
+#   TESTS="splitk or wgmma" BASE=base.tar.xz bash bench/resweep_compare.sh [N]   (TESTS: a pytest -k expression)
 set -uo pipefail
 source .carry/cutedsl/unpack.sh || exit 1
 N=${1:-2}
 nvidia-smi --query-gpu=index,name,clocks.sm,temperature.gpu --format=csv
 if [ -n "${TESTS:-}" ]; then
-  timeout ${TESTS_S:-150} python3 -m pytest -q -m gpu tests/test_gpu_kernels.py $TESTS > $OUT/gpu-tests.log 2>&1
+  timeout ${TESTS_S:-150} python3 -m pytest -q -m gpu tests/test_gpu_kernels.py -k "$TESTS" > $OUT/gpu-tests.log 2>&1
   echo "gpu tests rc=$?"; tail -3 $OUT/gpu-tests.log
 fi
 cp tuning_db/h200.sqlite /tmp/sweep.sqlite
