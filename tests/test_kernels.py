@@ -119,3 +119,25 @@ def test_relative_error_rejects_nan():
     out = ref.clone()
     out[1, 1] = float("nan")
     assert relative_error(out, ref) == float("inf")
+
+
+def test_params_and_remembered_defaults_match_the_plain_ones():
+    """params() is a shallow dataclasses.asdict (every knob is a scalar); default_config is remembered per problem
+    and a problem a family cannot implement raises afresh every time."""
+    import dataclasses
+
+    from k3tune.plan.problems import Problem
+
+    p = Problem("kda.o_proj", "gemm", (("M", 5), ("N", 7168), ("K", 1536)))
+    gemms = [f for f in FAMILIES.values() if f.can_implement(p)]
+    assert len(gemms) >= 4
+    for f in gemms:
+        cfg = f.default_config(p)
+        assert cfg.params() == dataclasses.asdict(cfg) and f.default_config(p) == f._default_config(p)
+    tc, odd = family("gemm.splitk_tc"), Problem("kda.o_proj", "gemm", (("M", 5), ("N", 64), ("K", 100)))
+    errors = []
+    for _ in range(2):
+        with pytest.raises(CannotImplement) as e:
+            tc.default_config(odd)
+        errors.append(e.value)
+    assert errors[0] is not errors[1] and str(errors[0]) == str(errors[1])
