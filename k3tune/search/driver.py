@@ -158,7 +158,7 @@ def run_sweep(opt: SweepOptions) -> SweepStats:
         stats.pool_started_s = time.monotonic() - t_start
     # after the workers' start: on a GPU, current_arch starts CUDA in the driver (2.6-3.3 s before the pool in
     # the s11 H200 sweeps); the farm spawns on its first submit
-    farm = CompileFarm(procs, current_arch())
+    farm = CompileFarm(procs, current_arch() if procs else "")  # no farm, no arch: importing torch takes ~1.7 s
     try:
         fp = fingerprint_for(opt.backend, opt.hw)  # after the workers' start: on a GPU it starts CUDA here too
         digests = {op: op_digest(op, opt.backend) for op in {p.op for p in tunable}}
