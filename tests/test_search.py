@@ -608,6 +608,7 @@ def test_polish_tries_the_winners_of_other_ops_of_the_same_shape(tmp_path):
         w.family, w.params = "gemm.splitk_tc", other
     polished = run_sweep(_opts(db, dataclasses.replace(sp, search=dataclasses.replace(sp.search, polish=8))))
     assert polished.polish_passes >= 1 and polished.polished >= 1
+    assert 0 < polished.polish_plan_s <= polished.polish_s <= polished.seconds  # the passes' latency, reported
     with db.session() as s:
         assert ("gemm.splitk_tc", params_key(other)) in {
             (t.family, t.params_key) for t in s.scalars(select(Trial).where(Trial.problem_id == twin))}

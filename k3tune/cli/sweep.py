@@ -97,7 +97,8 @@ def sweep(
                "problems": stats.problems_total, "already_done": stats.problems_done_before,
                "tuned_now": stats.problems_done, "trials": stats.trials, "failed_trials": stats.failed,
                "reused_trials": stats.reused, "polished": stats.polished, "polish_changed": stats.polish_changed,
-               "polish_passes": stats.polish_passes, "workers_replaced": stats.workers_replaced,
+               "polish_passes": stats.polish_passes, "polish_s": round(stats.polish_s, 1),
+               "polish_plan_s": round(stats.polish_plan_s, 1), "workers_replaced": stats.workers_replaced,
                "workers_retired": stats.workers_retired,
                "no_winner": stats.no_winner, "refused_stored_trials": stats.refused, "skipped_ops": stats.skipped_ops, "seconds": round(stats.seconds, 1)}
     if json:
@@ -108,7 +109,8 @@ def sweep(
                   f"in {stats.seconds:.1f} s -> {summary['database']}")
     if stats.polish_passes:
         console.print(f"polish: {stats.polish_passes} passes tried neighbours' winners on {stats.polished} problems; "
-                      f"{stats.polish_changed} chose another kernel")
+                      f"{stats.polish_changed} chose another kernel ({stats.polish_s:.1f} s, planning "
+                      f"{stats.polish_plan_s:.1f} s)")
     for r in stats.refused[:10]:
         console.print(f"[yellow]refused stored trial outside the declared space:[/] {r}")
     for op, why in stats.skipped_ops.items():

@@ -82,6 +82,8 @@ class SweepStats:
     polished: int = 0  # problems searched again because a neighbour's winner had not been tried on them
     polish_changed: int = 0  # of those, how many chose another kernel
     polish_passes: int = 0
+    polish_s: float = 0.0  # wall time from the first pass's planning to the sweep's end (the passes' tail latency)
+    polish_plan_s: float = 0.0  # of which planning passes in the driver (the workers idle meanwhile)
     run_id: int = 0
 
 
@@ -287,6 +289,7 @@ def run_sweep(opt: SweepOptions) -> SweepStats:
                 _tune_collectives([by_id[pid] for pid in got], pids, opt, hw_id, run_id, label, digests, stats, report)
             wanted = {pid: d for pid, d in wanted.items() if pid not in coll}
         wanted_all, passes = dict(wanted), opt.spec.search.polish
+        polish_start = 0.0  # monotonic time the first polish pass was planned
         planner = polish.Planner(opt.db, hw_id, label, opt.spec.search, lambda p: families_for(p, opt.backend),
                                  fam_digests, method, near_winners)
         if not wanted:
@@ -372,10 +375,13 @@ def run_sweep(opt: SweepOptions) -> SweepStats:
                 if passes <= 0:
                     break
                 passes -= 1
+                t_plan = time.monotonic()
+                polish_start = polish_start or t_plan
                 load_neighbours()  # now with every winner of this run
                 polishing = True
                 wanted = (planner.open_pass(set(wanted_all))
                           or planner.plan({pid: by_id[pid] for pid in wanted_all}, wanted_all))
+                stats.polish_plan_s += time.monotonic() - t_plan
                 if not wanted:
                     break
                 for pid, w in polish.current_winners(opt.db, hw_id, label, {
@@ -387,6 +393,8 @@ def run_sweep(opt: SweepOptions) -> SweepStats:
                 stats.polish_passes += 1
             stats.polish_changed = sum(1 for pid, w in polish.current_winners(opt.db, hw_id, label, {
                 pid: wanted_all[pid] for pid in incumbent}).items() if incumbent[pid] != w)
+            if polish_start:
+                stats.polish_s = time.monotonic() - polish_start
         status = "done"
     except KeyboardInterrupt:
         status = "interrupted"

@@ -56,11 +56,12 @@ class Planner:
         compared with it."""
         untried: dict[int, list] = {}
         won = current_winners(self.db, self.hw_id, self.backend, digests)
+        with self.db.session() as s:
+            tried_by = records.tried_keys(s, self.hw_id, set(problems), self.fam_digests, self.method)
         for pid in sorted(problems):
             p, fams = problems[pid], self.families(problems[pid])
-            with self.db.session() as s:
-                tried = {(t.family, t.params_key) for t in records.stored_trials(
-                    s, self.hw_id, pid, {f.name: self.fam_digests[f.name] for f in fams}, self.method)}
+            names = {f.name for f in fams}
+            tried = {t for t in tried_by[pid] if t[0] in names}
             if pid not in won or (won[pid][0], params_key(won[pid][1])) not in tried:
                 continue
             if pid not in self._base:

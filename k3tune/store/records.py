@@ -134,6 +134,20 @@ def stored_trials(session: Session, hw_id: int, problem_id: int, digests: dict[s
     return [t for t in rows if digests.get(t.family) == t.family_digest]
 
 
+def tried_keys(session: Session, hw_id: int, problem_ids: set[int], digests: dict[str, str],
+               method: str) -> dict[int, set[tuple[str, str]]]:
+    """Per problem, the (family, params key) of ``stored_trials`` (current family digest, this method), for many
+    problems in one query: a polish pass plans over every problem of the sweep (one query each was a third of a
+    simulated dense sweep's planning time)."""
+    out: dict[int, set[tuple[str, str]]] = {pid: set() for pid in problem_ids}
+    rows = session.execute(select(Trial.problem_id, Trial.family, Trial.family_digest, Trial.params_key)
+                           .where(Trial.hardware_id == hw_id, Trial.method == method))
+    for pid, fam, digest, key in rows:
+        if pid in out and digests.get(fam) == digest:
+            out[pid].add((fam, key))
+    return out
+
+
 def save_winner(session: Session, **values) -> None:
     key = {k: values[k] for k in ("hardware_id", "problem_id", "op_digest", "backend")}
     existing = session.scalar(select(Winner).where(*(getattr(Winner, k) == v for k, v in key.items())))
