@@ -43,7 +43,7 @@ for g in ${RUNS:-1 $N}; do
   done
   set -- $pids
   for tag in $tags; do
-    wait $1; echo "$tag rc=$?"; shift; grep -E '"(trials|seconds|failed|problems_done|workers_replaced|workers_ready_s|first_result_s|pool_started_s|ready_s|backend_s|opened_early|polished|polish_passes|polish_changed|polish_s|polish_plan_s|worker_busy_s|worker_busy_cpu_s|worker_build_s)"' $OUT/$tag.log
+    wait $1; echo "$tag rc=$?"; shift; grep -E '"(trials|seconds|failed|problems_done|workers_replaced|workers_ready_s|first_result_s|pool_started_s|ready_s|backend_s|opened_early|polished|polish_passes|polish_changed|polish_s|polish_plan_s|polish_build_s|worker_busy_s|worker_busy_cpu_s|worker_build_s)"' $OUT/$tag.log
   done
 done
 if [ "${KILL:-1}" = 1 ]; then  # KILL=0: the throughput runs only

@@ -98,7 +98,8 @@ def sweep(
                "tuned_now": stats.problems_done, "trials": stats.trials, "failed_trials": stats.failed,
                "reused_trials": stats.reused, "polished": stats.polished, "polish_changed": stats.polish_changed,
                "polish_passes": stats.polish_passes, "polish_s": round(stats.polish_s, 1),
-               "polish_plan_s": round(stats.polish_plan_s, 1), "workers_replaced": stats.workers_replaced,
+               "polish_plan_s": round(stats.polish_plan_s, 1), "polish_build_s": round(stats.polish_build_s, 1),
+               "workers_replaced": stats.workers_replaced,
                "workers_retired": stats.workers_retired,
                "no_winner": stats.no_winner, "refused_stored_trials": stats.refused, "skipped_ops": stats.skipped_ops, "seconds": round(stats.seconds, 1)}
     if json:

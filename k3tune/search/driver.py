@@ -84,6 +84,7 @@ class SweepStats:
     polish_passes: int = 0
     polish_s: float = 0.0  # wall time from the first pass's planning to the sweep's end (the passes' tail latency)
     polish_plan_s: float = 0.0  # of which planning passes in the driver (the workers idle meanwhile)
+    polish_build_s: float = 0.0  # worker time spent building (or loading) kernels during the passes
     run_id: int = 0
 
 
@@ -361,6 +362,8 @@ def run_sweep(opt: SweepOptions) -> SweepStats:
                         stats.trials += 1
                         stats.failed += outcome.status != "ok"
                         stats.worker_build_s += outcome.compile_s or 0.0
+                        if polishing:
+                            stats.polish_build_s += outcome.compile_s or 0.0
                     if batch:
                         with opt.db.session() as s:
                             records.record_trials(s, run_id, hw_id, label, batch)
