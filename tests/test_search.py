@@ -582,69 +582,69 @@ def test_an_optional_feature_the_search_left_off_is_tried_on_at_the_leader():
         assert (s.decision.params["pdl"] == 1) == expect_on, (gain, s.decision.params)
 
 
+def _searched_without_polish(tmp_path, ops: list[str]):
+    """Two ops at TP16 and M = 1 and 8, searched without polish passes (4 problems, every one decided): the
+    database, the spec, and the problems' ids by key."""
+    from k3tune.store.models import ProblemRow
+
+    sp = spec.from_dict({"matrix": {"tp": [16], "batch": [1, 8], "ops": ops},
+                         "buckets": {"tokens": [1, 8], "batch": [1, 8], "query_len": [1]},
+                         "search": {"budget": 30, "samples": 5, "remeasure_top": 2, "polish": 0}})
+    db = store_db.open_db(str(tmp_path / "polish.sqlite"))
+    first = run_sweep(_opts(db, sp))
+    assert first.problems_done == first.problems_total == 4 and not first.no_winner
+    with db.session() as s:
+        return db, sp, {k: i for i, k in s.execute(select(ProblemRow.id, ProblemRow.key)).all()}
+
+
+def _polished(db, sp):
+    import dataclasses
+
+    return run_sweep(_opts(db, dataclasses.replace(sp, search=dataclasses.replace(sp.search, polish=8))))
+
+
+def _tried(s, *problem_ids) -> set[tuple[str, str]]:
+    return {(t.family, t.params_key) for t in s.scalars(select(Trial).where(Trial.problem_id.in_(problem_ids)))}
+
+
 def test_polish_tries_the_winners_of_other_ops_of_the_same_shape(tmp_path):
     """Two ops with one GEMM shape (TP16 kda.o_proj and mla.o_proj are both 7168 x 768) are each other's nearest
     neighbours (on the H200 a tensor-core config ran kda.o_proj M=8 at 6.7 us while mla.o_proj M=8, searched
     apart, kept one at 8.1): a config that won on one is tried on the other."""
-    import dataclasses
-
-    from k3tune.store.models import ProblemRow
-
-    sp = spec.from_dict({"matrix": {"tp": [16], "batch": [1, 8], "ops": ["kda.o_proj", "mla.o_proj"]},
-                         "buckets": {"tokens": [1, 8], "batch": [1, 8], "query_len": [1]},
-                         "search": {"budget": 30, "samples": 5, "remeasure_top": 2, "polish": 0}})
-    db = store_db.open_db(str(tmp_path / "twins.sqlite"))
-    first = run_sweep(_opts(db, sp))
-    assert first.problems_done == first.problems_total == 4 and not first.no_winner
+    db, sp, pid = _searched_without_polish(tmp_path, ["kda.o_proj", "mla.o_proj"])
     # another machine's winner for kda.o_proj M=8: a config mla.o_proj M=8's own search did not try
     other = {"m_tiles": 1, "warps_n": 1, "warps_k": 4, "tile_m": 8, "split_k": 1, "bk": 128, "stages": 6,
              "reduce": 0, "pdl": 0}
+    twin, kda = pid["mla.o_proj[M=8,N=7168,K=768]"], pid["kda.o_proj[M=8,N=7168,K=768]"]
     with db.session() as s:
-        pid = {k: i for i, k in s.execute(select(ProblemRow.id, ProblemRow.key)).all()}
-        twin, kda = pid["mla.o_proj[M=8,N=7168,K=768]"], pid["kda.o_proj[M=8,N=7168,K=768]"]
-        assert ("gemm.splitk_tc", params_key(other)) not in {
-            (t.family, t.params_key) for t in s.scalars(select(Trial).where(Trial.problem_id == twin))}
+        assert ("gemm.splitk_tc", params_key(other)) not in _tried(s, twin)
         w = s.scalar(select(Winner).where(Winner.problem_id == kda))
         w.family, w.params = "gemm.splitk_tc", other
-    polished = run_sweep(_opts(db, dataclasses.replace(sp, search=dataclasses.replace(sp.search, polish=8))))
+    polished = _polished(db, sp)
     assert polished.polish_passes >= 1 and polished.polished >= 1
     assert 0 < polished.polish_plan_s <= polished.polish_s <= polished.seconds  # the passes' latency, reported
     with db.session() as s:
-        assert ("gemm.splitk_tc", params_key(other)) in {
-            (t.family, t.params_key) for t in s.scalars(select(Trial).where(Trial.problem_id == twin))}
+        assert ("gemm.splitk_tc", params_key(other)) in _tried(s, twin)
 
 
 def test_polish_tries_the_winners_of_other_ops_at_the_same_token_count(tmp_path):
     """TP16 mla.gate (768 x 7168) and moe.router_latent (280 x 7168) at M=1: a config that won on one is tried on
     the other in a polish pass (two H200 sweeps each missed a config the other found on such neighbours); the
     winners of other token counts of another op are not."""
-    import dataclasses
-
-    from k3tune.store.models import ProblemRow
-
-    sp = spec.from_dict({"matrix": {"tp": [16], "batch": [1, 8], "ops": ["mla.gate", "moe.router_latent"]},
-                         "buckets": {"tokens": [1, 8], "batch": [1, 8], "query_len": [1]},
-                         "search": {"budget": 30, "samples": 5, "remeasure_top": 2, "polish": 0}})
-    db = store_db.open_db(str(tmp_path / "cross.sqlite"))
-    first = run_sweep(_opts(db, sp))
-    assert first.problems_done == first.problems_total == 4 and not first.no_winner
+    db, sp, pid = _searched_without_polish(tmp_path, ["mla.gate", "moe.router_latent"])
     other = {"pdl": 1, "rows_per_cta": 8, "split_k": 16, "unroll": 4, "warps": 8}  # outside the smallm seeds
+    gate1 = next(v for k, v in pid.items() if k.startswith("mla.gate[M=1,"))
+    router1 = next(v for k, v in pid.items() if k.startswith("moe.router_latent[M=1,"))
+    router8 = next(v for k, v in pid.items() if k.startswith("moe.router_latent[M=8,"))
     with db.session() as s:
-        pid = {k: i for i, k in s.execute(select(ProblemRow.id, ProblemRow.key)).all()}
-        gate1 = next(v for k, v in pid.items() if k.startswith("mla.gate[M=1,"))
-        router1 = next(v for k, v in pid.items() if k.startswith("moe.router_latent[M=1,"))
-        router8 = next(v for k, v in pid.items() if k.startswith("moe.router_latent[M=8,"))
-        tried = {(t.family, t.params_key) for t in s.scalars(select(Trial).where(Trial.problem_id.in_([router1, router8])))}
-        assert ("gemm.smallm", params_key(other)) not in tried
+        assert ("gemm.smallm", params_key(other)) not in _tried(s, router1, router8)
         w = s.scalar(select(Winner).where(Winner.problem_id == gate1))
         w.family, w.params = "gemm.smallm", other
-    polished = run_sweep(_opts(db, dataclasses.replace(sp, search=dataclasses.replace(sp.search, polish=8))))
+    polished = _polished(db, sp)
     assert polished.polish_passes >= 1
     with db.session() as s:
-        def tried_on(q):
-            return {(t.family, t.params_key) for t in s.scalars(select(Trial).where(Trial.problem_id == q))}
-        assert ("gemm.smallm", params_key(other)) in tried_on(router1)
-        assert ("gemm.smallm", params_key(other)) not in tried_on(router8)
+        assert ("gemm.smallm", params_key(other)) in _tried(s, router1)
+        assert ("gemm.smallm", params_key(other)) not in _tried(s, router8)
 
 
 def test_a_neighbours_winner_is_also_tried_with_this_problems_token_tile():

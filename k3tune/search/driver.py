@@ -159,9 +159,9 @@ def run_sweep(opt: SweepOptions) -> SweepStats:
     if not any(p.kind == "allreduce" for p in tunable):  # collectives come first, on these GPUs: not beside workers
         pool.start()  # now, while the database is set up: a worker's imports and CUDA start take seconds
         stats.pool_started_s = time.monotonic() - t_start
-    # after the workers' start: on a GPU, current_arch starts CUDA in the driver (2.6-3.3 s before the pool in
-    # the s11 H200 sweeps); the farm spawns on its first submit
-    farm = CompileFarm(procs, current_arch() if procs else "")  # no farm, no arch: importing torch takes ~1.7 s
+    # the farm's arch only after the workers' start (on a GPU current_arch starts CUDA in the driver: the pool
+    # started 2.6-3.3 s late in the s11 H200 sweeps), and only for a farm (it imports torch: ~1.7 s)
+    farm = CompileFarm(procs, current_arch() if procs else "")  # spawns on its first submit
     try:
         fp = fingerprint_for(opt.backend, opt.hw)  # after the workers' start: on a GPU it starts CUDA here too
         digests = {op: op_digest(op, opt.backend) for op in {p.op for p in tunable}}
@@ -209,7 +209,7 @@ def run_sweep(opt: SweepOptions) -> SweepStats:
                 q = by_id[pid]
                 neighbours.setdefault(q.op, []).append((q, fam, params))
                 twins.setdefault((q.kind, q.dims), []).append((q, fam, params))
-                if "M" in dict(q.dims):
+                if q.get("M") is not None:
                     same_m.setdefault((q.kind, q["M"]), []).append((q, fam, params))
 
     load_neighbours()
@@ -241,9 +241,13 @@ def run_sweep(opt: SweepOptions) -> SweepStats:
         others = sorted((n for n in neighbours.get(p.op, []) if n[0] != p), key=lambda n: _neighbour_distance(n[0], p))
         if not polishing:
             return mine + same_shape + others[:2]
-        at_m = sorted((n for n in same_m.get((p.kind, p["M"]), []) if n[0].op != p.op and n[0].dims != p.dims),
-                      key=lambda n: (_neighbour_distance(n[0], p), n[0].op)) if "M" in dict(p.dims) else []
+        at_m = sorted((n for n in same_m.get((p.kind, p.get("M")), []) if n[0].op != p.op and n[0].dims != p.dims),
+                      key=lambda n: (_neighbour_distance(n[0], p), n[0].op))
         return mine + same_shape + others[:polish.NEIGHBOURS] + at_m[:polish.CROSS_OP]
+
+    def warm(p: plans.Problem) -> list[tuple[str, dict, plans.Problem]]:
+        """``near_winners`` as warm starts: (family, params, the problem it won on)."""
+        return [(f, prm, q) for q, f, prm in near_winners(p)]
 
     def built(pid: int, cand: Candidate) -> bool:
         farm.submit(by_id[pid], cand.family, cand.params)  # a fresh TPE sample: its build starts now
@@ -255,7 +259,7 @@ def run_sweep(opt: SweepOptions) -> SweepStats:
         with opt.db.session() as s:
             stored = records.stored_trials(s, hw_id, pid, {f.name: fam_digests[f.name] for f in fams}, method)
         search = ProblemSearch(p, fams, opt.spec.search, seed=opt.spec.search.seed + pid, stored=stored,
-                               warm=[(f, prm, q) for q, f, prm in near_winners(p)], tpe=not polishing)
+                               warm=warm(p), tpe=not polishing)
         if not polishing:  # a polish pass re-reads the trials its search just stored
             stats.reused += len(stored) - len(search.refused)
         stats.refused.extend(search.refused)
@@ -292,7 +296,7 @@ def run_sweep(opt: SweepOptions) -> SweepStats:
         wanted_all, passes = dict(wanted), opt.spec.search.polish
         polish_start = 0.0  # monotonic time the first polish pass was planned
         planner = polish.Planner(opt.db, hw_id, label, opt.spec.search, lambda p: families_for(p, opt.backend),
-                                 fam_digests, method, near_winners)
+                                 fam_digests, method, warm)
         if not wanted:
             pool.close()  # nothing left to measure (the workers were started early, in vain)
         with pool:
@@ -300,8 +304,7 @@ def run_sweep(opt: SweepOptions) -> SweepStats:
                 stats.pool_started_s = time.monotonic() - t_start
             while True:  # the search, then polish passes until no neighbour's winner is left untried
                 # while the workers start: every problem's known candidates to the farm, in claim order
-                farm.submit_known([by_id[pid] for pid in wanted], opt.backend, opt.spec.search,
-                                  lambda p: [(f, prm, q) for q, f, prm in near_winners(p)])
+                farm.submit_known([by_id[pid] for pid in wanted], opt.backend, opt.spec.search, warm)
                 while True:
                     if len(active) < target_active:
                         with opt.db.session() as s:

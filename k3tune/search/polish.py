@@ -39,11 +39,11 @@ def current_winners(db: Database, hw_id: int, backend: Backend, digests: dict[in
 
 class Planner:
     """Plans passes for one sweep: ``families(problem)`` its kernel families, ``near(problem)`` the stored winners
-    to try on it as (problem, family, params), ``fam_digests`` and ``method`` which stored trials count."""
+    to try on it as (family, params, problem it won on), ``fam_digests`` and ``method`` which stored trials count."""
 
     def __init__(self, db: Database, hw_id: int, backend: Backend, settings: SearchSettings,
                  families: Callable[[Problem], list[KernelFamily]], fam_digests: dict[str, str], method: str,
-                 near: Callable[[Problem], list[tuple[Problem, str, dict]]]):
+                 near: Callable[[Problem], list[tuple[str, dict, Problem]]]):
         self.db, self.hw_id, self.backend, self.settings = db, hw_id, backend, settings
         self.families, self.fam_digests, self.method, self.near = families, fam_digests, method, near
         self._base: dict[int, set] = {}  # per problem, what its search knew itself (defaults, seeds)
@@ -66,8 +66,8 @@ class Planner:
                 continue
             if pid not in self._base:
                 self._base[pid] = {(c.family, c.key) for c in known_candidates(p, fams, self.settings)}
-            new = sorted({(c.family, c.key) for c in known_candidates(
-                p, fams, self.settings, [(f, prm, q) for q, f, prm in self.near(p)])} - self._base[pid] - tried)
+            new = sorted({(c.family, c.key) for c in known_candidates(p, fams, self.settings, self.near(p))}
+                         - self._base[pid] - tried)
             if new:
                 untried[pid] = new
         key = CLAIM_PREFIX + hashlib.sha256(repr(sorted(untried.items())).encode()).hexdigest()[:16]
