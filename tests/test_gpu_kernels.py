@@ -39,9 +39,35 @@ def _check(name, m, n, k, cfg=None):
 
 @pytest.mark.parametrize("m", MS)
 @pytest.mark.parametrize("n,k", SHAPES)
-@pytest.mark.parametrize("name", ["gemm.cublas", "gemm.smallm", "gemm.splitk_tc"])
+@pytest.mark.parametrize("name", ["gemm.cublas", "gemm.smallm", "gemm.splitk_tc", "gemm.wgmma"])
 def test_gemm_default_numerics(name, m, n, k):
     _check(name, m, n, k)
+
+
+@pytest.mark.parametrize("m,n,k", [(3, 280, 7168), (17, 7168, 768), (64, 1000, 1536), (257, 1536, 7168)])
+def test_wgmma_space_numerics(farm, m, n, k):
+    """Every valid config of the wgmma kernel with PDL off, and every 4th with it on (staged family: built by name),
+    on rows past N (280, 1000 are no multiples of 64), tokens past M (3, 17, 257) and every split; each run twice
+    on the same buffers (the mbarrier phases and the workspace must not carry over from one launch to the next)."""
+    import torch
+
+    fam = family("gemm.wgmma")
+    p = Problem("kda.o_proj", "gemm", (("M", m), ("N", n), ("K", k)))
+    cfgs = list(fam.configs(p))
+    on = [c for c in cfgs if c.pdl]
+    checked = 0
+    for cfg in _built_first(farm, fam.name, p, [c for c in cfgs if not c.pdl] + on[::4]):
+        gen = torch.Generator(device="cuda").manual_seed(1000 + checked)
+        inputs = fam.make_inputs(p, torch.device("cuda"), gen)
+        run = fam.build(p, cfg)
+        ref = fam.reference(p, inputs)
+        for _ in range(2):
+            inputs["out"].fill_(float("nan"))
+            inputs["ws"].fill_(float("nan"))
+            err = relative_error(run(inputs), ref)
+            assert err < fam.tolerance(p), (cfg, err)
+        checked += 1
+    assert checked >= 40, checked
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +153,8 @@ def test_splitk_tc_space_sample_numerics(farm, m, n, k):
 @pytest.mark.parametrize("name,knobs", [("gemm.splitk_tc", {"split_k": 1, "reduce": 0}),
                                         ("gemm.splitk_tc", {"split_k": 4, "reduce": 0}),
                                         ("gemm.splitk_tc", {"split_k": 4, "reduce": 1}),
-                                        ("gemm.smallm", {"split_k": 1}), ("gemm.smallm", {"split_k": 4})])
+                                        ("gemm.smallm", {"split_k": 1}), ("gemm.smallm", {"split_k": 4}),
+                                        ("gemm.wgmma", {"split_k": 1}), ("gemm.wgmma", {"split_k": 4})])
 def test_pdl_chain(name, knobs):
     """Programmatic dependent launch: y1 = x W1^T, then y2 = y1 W2^T on the same stream, both launched with PDL (the
     second starts while the first finishes and must wait for y1), eagerly and replayed in a CUDA graph; and the
@@ -194,6 +221,18 @@ def test_measurer_runs_the_tensor_core_kernel():
     out = GpuBackend().measure(Task(1, p, "gemm.splitk_tc", params, 0, 5))
     assert out.status == "ok" and out.median_us > 0, out
     assert gemm_splitk_tc.compiled.cache_info().misses == before + 1
+
+
+def test_measurer_runs_the_wgmma_kernel():
+    from k3tune.kernels import gemm_wgmma
+    from k3tune.search.measure_gpu import GpuBackend
+
+    p = Problem("kda.o_proj", "gemm", (("M", 40), ("N", 7168), ("K", 1536)))
+    before = gemm_wgmma.compiled.cache_info().misses
+    params = {"warpgroups": 2, "tile_m": 64, "split_k": 2, "bk": 64, "stages": 6, "pdl": 1}
+    out = GpuBackend().measure(Task(1, p, "gemm.wgmma", params, 0, 5))
+    assert out.status == "ok" and out.median_us > 0, out
+    assert gemm_wgmma.compiled.cache_info().misses == before + 1
 
 
 def test_measurer_times_each_trial_on_independent_allocations():

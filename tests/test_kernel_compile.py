@@ -97,3 +97,39 @@ def test_one_shot_allreduce_compiles(arch):
         warnings.simplefilter("ignore", DeprecationWarning)
         for group, norm, per in [(2, False, 1), (4, True, 2), (8, True, 2)]:
             assert ar_kernel(group, norm, 1e-6, per, arch) is not None, (group, norm)
+
+
+# the Hopper wgmma kernel: every value of every knob, one knob at a time from a base, and the largest ring corner
+BASE_WGMMA = {"warpgroups": 1, "tile_m": 16, "split_k": 2, "bk": 64, "stages": 4, "pdl": 0}
+WGMMA_VALUES = {"warpgroups": (1, 2), "tile_m": (8, 16, 32, 64), "split_k": (1, 2, 4, 8), "bk": (64, 128),
+                "stages": (2, 4, 6, 8), "pdl": (0, 1)}
+WGMMA_SAMPLE = sorted({tuple({**BASE_WGMMA, knob: v}.values()) for knob, vals in WGMMA_VALUES.items() for v in vals}
+                      | {(2, 64, 1, 128, 2, 1), (1, 32, 1, 128, 6, 1), (1, 8, 1, 128, 8, 1)})
+
+
+def test_wgmma_compiles_for_hopper():
+    from k3tune.kernels import gemm_wgmma
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        for knobs in WGMMA_SAMPLE:
+            assert gemm_wgmma.compiled(*knobs, "sm_90a") is not None, knobs
+
+
+def test_wgmma_sample_covers_the_space_and_fits():
+    from k3tune.kernels.gemm_wgmma import SMEM_BUDGET, WgmmaConfig, WgmmaGemm, smem_bytes
+    from k3tune.plan.problems import Problem
+
+    p = Problem("kda.o_proj", "gemm", (("M", 64), ("N", 7168), ("K", 1536)))
+    assert {k: tuple(v) for k, v in WgmmaGemm().space(p).items()} == WGMMA_VALUES
+    fits = [smem_bytes(WgmmaConfig(*s)) for s in WGMMA_SAMPLE if smem_bytes(WgmmaConfig(*s)) <= SMEM_BUDGET]
+    assert max(fits) > 150 * 1024  # a ring near the budget is compiled
+
+
+def test_wgmma_is_hopper_only():
+    """Blackwell has no wgmma: compiling for it is a declared CannotImplement, never a crash or a silent build."""
+    from k3tune.errors import CannotImplement
+    from k3tune.kernels import gemm_wgmma
+
+    with pytest.raises(CannotImplement, match="sm_90a"):
+        gemm_wgmma.compiled(*WGMMA_SAMPLE[0], "sm_100a")

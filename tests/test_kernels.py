@@ -29,8 +29,11 @@ def test_defaults_and_spaces_are_consistent(plan):
 
     from k3tune.kernels.base import ENUMERATE_LIMIT
 
+    from k3tune.kernels import STAGED
+
     for p in plan.problems[::7]:
-        for f in families_for(p, "simulated"):
+        staged = [f for f in STAGED.values() if f.can_implement(p)]
+        for f in families_for(p, "simulated") + staged:
             default = f.default_config(p)
             f.config_from_params(p, default.params())  # inside the declared space, valid
             if f.space_size(p) > ENUMERATE_LIMIT:  # a block's joint space (billions): never listed
@@ -141,3 +144,39 @@ def test_params_and_remembered_defaults_match_the_plain_ones():
             tc.default_config(odd)
         errors.append(e.value)
     assert errors[0] is not errors[1] and str(errors[0]) == str(errors[1])
+
+
+def _registry_in_subprocess(env_extra: str | None) -> dict:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "K3TUNE_EXTRA_FAMILIES"}
+    if env_extra is not None:
+        env["K3TUNE_EXTRA_FAMILIES"] = env_extra
+    code = ("import json; from k3tune.kernels import FAMILIES, op_digest, families_for; from k3tune.plan.problems "
+            "import Problem; p = Problem('kda.o_proj', 'gemm', (('M', 32), ('N', 7168), ('K', 1536))); "
+            "print(json.dumps({'families': sorted(FAMILIES), 'digest': op_digest('kda.o_proj', 'gpu'), "
+            "'offered': [f.name for f in families_for(p, 'gpu')]}))")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    return {"rc": out.returncode, "err": out.stderr.strip().splitlines()[-1:] if out.stderr else [],
+            **(json.loads(out.stdout) if out.returncode == 0 else {})}
+
+
+def test_staged_family_is_buildable_by_name_but_keys_nothing_until_named():
+    """gemm.wgmma has GPU code but the shipped dense winners were tuned without it: it must not re-key them
+    (op_digest) nor be offered to a sweep unless K3TUNE_EXTRA_FAMILIES names it."""
+    from k3tune.kernels import STAGED
+
+    assert "gemm.wgmma" in STAGED and "gemm.wgmma" not in FAMILIES
+    assert family("gemm.wgmma") is STAGED["gemm.wgmma"]
+    plain, named = _registry_in_subprocess(None), _registry_in_subprocess("gemm.wgmma")
+    assert plain["rc"] == 0 and named["rc"] == 0, (plain, named)
+    assert "gemm.wgmma" not in plain["offered"] and "gemm.wgmma" in named["offered"]
+    assert plain["digest"] == op_digest("kda.o_proj", "gpu") != named["digest"]
+
+
+def test_unknown_extra_family_is_a_clear_error():
+    got = _registry_in_subprocess("gemm.nosuch")
+    assert got["rc"] != 0 and "K3TUNE_EXTRA_FAMILIES names 'gemm.nosuch'" in got["err"][0]

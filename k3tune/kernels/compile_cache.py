@@ -125,6 +125,7 @@ def _lock(root: Path, name: str) -> int | None:
 KERNEL_MODULES = {
     "k3tune.kernels.gemm_smallm": ("k3tune.kernels.gemm_smallm", "k3tune.kernels.gemm_common"),
     "k3tune.kernels.gemm_splitk_tc": ("k3tune.kernels.gemm_splitk_tc", "k3tune.kernels.gemm_common"),
+    "k3tune.kernels.gemm_wgmma": ("k3tune.kernels.gemm_wgmma", "k3tune.kernels.gemm_common"),
     "k3tune.kernels.moe_experts": ("k3tune.kernels.moe_experts",),
     "k3tune.kernels.l2_prefetch": ("k3tune.kernels.l2_prefetch",),
 }
