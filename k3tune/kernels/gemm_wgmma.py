@@ -290,46 +290,40 @@ def _kernel_class():
             tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
             kblocks = cute.size(tCrA, mode=[2])
 
+            # Pipeline states are built from the stage number (slot j % P, phase from j // P) rather than advanced:
+            # a state object advanced inside a dynamic ``if`` does not carry its update out of it.
             # prologue: W of the first stages (no dependence on the grid before), then x once that grid is done
             pre = cutlass.min(P, ktiles)
-            prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, P)
             if warp == 0:
-                for _ in cutlass.range(pre, unroll=1):
-                    pipe.producer_acquire(prod)
-                    cute.copy(tma_w, tWg[(None, kt0 + prod.count)], tWs[(None, prod.index)],
-                              tma_bar_ptr=pipe.producer_get_barrier(prod))
-                    prod.advance()
+                for j in cutlass.range(pre, unroll=1):
+                    ps = self._state(j, 1)
+                    pipe.producer_acquire(ps)
+                    cute.copy(tma_w, tWg[(None, kt0 + j)], tWs[(None, ps.index)], tma_bar_ptr=pipe.producer_get_barrier(ps))
             if cutlass.const_expr(self.pdl):
                 cute.arch.griddepcontrol_wait()  # x, y and the workspace only from here on
             if warp == 0:
-                xs = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, P)
-                for _ in cutlass.range(pre, unroll=1):
-                    cute.copy(tma_x, tXg[(None, kt0 + xs.count)], tXs[(None, xs.index)],
-                              tma_bar_ptr=pipe.producer_get_barrier(xs))
-                    xs.advance()
+                for j in cutlass.range(pre, unroll=1):
+                    ps = self._state(j, 1)
+                    cute.copy(tma_x, tXg[(None, kt0 + j)], tXs[(None, ps.index)], tma_bar_ptr=pipe.producer_get_barrier(ps))
 
-            cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, P)
-            rel = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, P)
             for kt in cutlass.range(ktiles, unroll=1):
-                pipe.consumer_wait(cons)
+                cs = self._state(kt, 0)
+                pipe.consumer_wait(cs)
                 warpgroup.fence()
                 for kb in cutlass.range_constexpr(kblocks):
-                    cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, cons.index)], tCrB[(None, None, kb, cons.index)],
-                              acc)
+                    cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, cs.index)], tCrB[(None, None, kb, cs.index)], acc)
                 warpgroup.commit_group()
                 warpgroup.wait_group(1)  # the stage before this one has retired: its buffer may be refilled
                 if kt > 0:
-                    pipe.consumer_release(rel)
-                    rel.advance()
-                cons.advance()
-                if warp == 0:
-                    if prod.count < ktiles:
-                        pipe.producer_acquire(prod)
-                        cute.copy(tma_w, tWg[(None, kt0 + prod.count)], tWs[(None, prod.index)],
-                                  tma_bar_ptr=pipe.producer_get_barrier(prod))
-                        cute.copy(tma_x, tXg[(None, kt0 + prod.count)], tXs[(None, prod.index)],
-                                  tma_bar_ptr=pipe.producer_get_barrier(prod))
-                        prod.advance()
+                    pipe.consumer_release(self._state(kt - 1, 0))
+                    j = kt - 1 + P  # the stage that refills the slot just released
+                    if warp == 0 and j < ktiles:
+                        ps = self._state(j, 1)
+                        pipe.producer_acquire(ps)  # every warp has released the slot
+                        cute.copy(tma_w, tWg[(None, kt0 + j)], tWs[(None, ps.index)],
+                                  tma_bar_ptr=pipe.producer_get_barrier(ps))
+                        cute.copy(tma_x, tXg[(None, kt0 + j)], tXs[(None, ps.index)],
+                                  tma_bar_ptr=pipe.producer_get_barrier(ps))
             warpgroup.wait_group(0)
 
             # epilogue: accumulators -> sOut[token][row] -> row-contiguous stores of y (or of this slice's partial)
@@ -347,5 +341,13 @@ def _kernel_class():
                         mY[tok0 + t, row0 + r] = sOut[t, r].to(BFloat16)
                     else:
                         mWs[bidz, tok0 + t, row0 + r] = sOut[t, r]
+
+        @cute.jit
+        def _state(self, j, producer: cutlass.Constexpr):
+            """Pipeline state of stage ``j``: slot j % P; the consumer waits for the (j // P)-th completion of the
+            slot's full barrier, the producer for the (j // P - 1)-th of its empty one (none for j < P: parity 1 on
+            a fresh barrier passes)."""
+            P = self.stages
+            return pipeline.PipelineState(P, j, j % P, ((j // P) % 2) ^ producer)
 
     return WgmmaKernel
