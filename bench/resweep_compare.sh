@@ -6,6 +6,9 @@
 # Usage (device tool, kind nvidia-h200-x2, carry [".carry"]):
 #   git archive --prefix=base/ main k3tune configs bench/gemm.py tuning_db pyproject.toml | xz > base.tar.xz
 #   TESTS="splitk or wgmma" BASE=base.tar.xz bash bench/resweep_compare.sh [N]   (TESTS: a pytest -k expression)
+# A staged family (k3tune/kernels/__init__.py STAGED) joins the sweep and the new DB's bench through
+# K3TUNE_EXTRA_FAMILIES; then BASE=self benches the shipped DB on this same tree with the variable unset (the code the
+# shipped winners were tuned with). With N=1 the two benches run one after the other on GPU 0.
 set -uo pipefail
 source .carry/cutedsl/unpack.sh || exit 1
 N=${1:-2}
@@ -26,9 +29,14 @@ print(export(Database('/tmp/sweep.sqlite', create=False), '$OUT/new.sqlite', har
 GEMM_ARGS=${GEMM_ARGS:---samples 9 --rounds 3}
 CUDA_VISIBLE_DEVICES=0 timeout ${BENCH_S:-200} python3 bench/gemm.py --db $OUT/new.sqlite $GEMM_ARGS \
   --out $OUT/gemm-new.json > $OUT/gemm-new.log 2>&1 &
-if [ -n "${BASE:-}" ]; then
+if [ "$N" = 1 ]; then wait; fi
+BASE_GPU=$([ "$N" = 1 ] && echo 0 || echo 1)
+if [ "${BASE:-}" = self ]; then
+  env -u K3TUNE_EXTRA_FAMILIES CUDA_VISIBLE_DEVICES=$BASE_GPU timeout ${BENCH_S:-200} python3 bench/gemm.py \
+    --db tuning_db/h200.sqlite $GEMM_ARGS --out $OUT/gemm-base.json > $OUT/gemm-base.log 2>&1
+elif [ -n "${BASE:-}" ]; then
   mkdir -p /tmp/basetree && tar -xf $BASE -C /tmp/basetree
-  (cd /tmp/basetree/base && CUDA_VISIBLE_DEVICES=1 PYTHONPATH=$PWD:$PYTHONPATH timeout ${BENCH_S:-200} python3 \
+  (cd /tmp/basetree/base && CUDA_VISIBLE_DEVICES=$BASE_GPU PYTHONPATH=$PWD:$PYTHONPATH timeout ${BENCH_S:-200} python3 \
     bench/gemm.py --db tuning_db/h200.sqlite $GEMM_ARGS --out $OUT/gemm-base.json > $OUT/gemm-base.log 2>&1)
 fi
 wait
