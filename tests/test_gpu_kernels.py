@@ -46,7 +46,7 @@ def test_gemm_default_numerics(name, m, n, k):
 
 @pytest.mark.parametrize("m,n,k", [(3, 280, 7168), (17, 7168, 768), (64, 1000, 1536), (257, 1536, 7168)])
 def test_wgmma_space_numerics(farm, m, n, k):
-    """Every valid config of the wgmma kernel with PDL off, and every 4th with it on (staged family: built by name),
+    """Every valid config of the wgmma kernel with PDL off, and every 4th with it on,
     on rows past N (280, 1000 are no multiples of 64), tokens past M (3, 17, 257) and every split; each run twice
     on the same buffers (the mbarrier phases and the workspace must not carry over from one launch to the next)."""
     import torch

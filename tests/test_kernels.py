@@ -146,37 +146,45 @@ def test_params_and_remembered_defaults_match_the_plain_ones():
     assert errors[0] is not errors[1] and str(errors[0]) == str(errors[1])
 
 
-def _registry_in_subprocess(env_extra: str | None) -> dict:
-    import json
-    import os
-    import subprocess
-    import sys
+@pytest.fixture()
+def staged_registry(monkeypatch):
+    """A fake staged dense family in a private copy of the registry (and the registry's caches cleared around)."""
+    import k3tune.kernels as kernels
+    from k3tune.kernels.gemm_cublas import CublasGemm
 
-    env = {k: v for k, v in os.environ.items() if k != "K3TUNE_EXTRA_FAMILIES"}
-    if env_extra is not None:
-        env["K3TUNE_EXTRA_FAMILIES"] = env_extra
-    code = ("import json; from k3tune.kernels import FAMILIES, op_digest, families_for; from k3tune.plan.problems "
-            "import Problem; p = Problem('kda.o_proj', 'gemm', (('M', 32), ('N', 7168), ('K', 1536))); "
-            "print(json.dumps({'families': sorted(FAMILIES), 'digest': op_digest('kda.o_proj', 'gpu'), "
-            "'offered': [f.name for f in families_for(p, 'gpu')]}))")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    return {"rc": out.returncode, "err": out.stderr.strip().splitlines()[-1:] if out.stderr else [],
-            **(json.loads(out.stdout) if out.returncode == 0 else {})}
+    class Staged(CublasGemm):
+        name = "gemm.staged_test"
+        digest = "0123456789abcdef"
 
-
-def test_staged_family_is_buildable_by_name_but_keys_nothing_until_named():
-    """gemm.wgmma has GPU code but the shipped dense winners were tuned without it: it must not re-key them
-    (op_digest) nor be offered to a sweep unless K3TUNE_EXTRA_FAMILIES names it."""
-    from k3tune.kernels import STAGED
-
-    assert "gemm.wgmma" in STAGED and "gemm.wgmma" not in FAMILIES
-    assert family("gemm.wgmma") is STAGED["gemm.wgmma"]
-    plain, named = _registry_in_subprocess(None), _registry_in_subprocess("gemm.wgmma")
-    assert plain["rc"] == 0 and named["rc"] == 0, (plain, named)
-    assert "gemm.wgmma" not in plain["offered"] and "gemm.wgmma" in named["offered"]
-    assert plain["digest"] == op_digest("kda.o_proj", "gpu") != named["digest"]
+    for f in (kernels.op_digest, kernels._candidates):
+        f.cache_clear()
+    monkeypatch.setattr(kernels, "FAMILIES", dict(kernels.FAMILIES))
+    monkeypatch.setattr(kernels, "STAGED", {Staged.name: Staged()})
+    monkeypatch.delenv("K3TUNE_EXTRA_FAMILIES", raising=False)
+    yield kernels
+    for f in (kernels.op_digest, kernels._candidates):
+        f.cache_clear()
 
 
-def test_unknown_extra_family_is_a_clear_error():
-    got = _registry_in_subprocess("gemm.nosuch")
-    assert got["rc"] != 0 and "K3TUNE_EXTRA_FAMILIES names 'gemm.nosuch'" in got["err"][0]
+def test_staged_family_is_buildable_by_name_but_keys_nothing_until_named(staged_registry, monkeypatch):
+    """A staged family has GPU code but the shipped winners of its ops were tuned without it: it must not re-key
+    them (op_digest) nor be offered to a sweep unless K3TUNE_EXTRA_FAMILIES names it."""
+    k = staged_registry
+    p = problems.Problem("kda.o_proj", "gemm", (("M", 32), ("N", 7168), ("K", 1536)))
+    plain = k.op_digest("kda.o_proj", "gpu")
+    assert k.family("gemm.staged_test") is k.STAGED["gemm.staged_test"]
+    assert "gemm.staged_test" not in [f.name for f in k.families_for(p, "gpu")]
+    monkeypatch.setenv("K3TUNE_EXTRA_FAMILIES", "gemm.staged_test")
+    k._extra_families()
+    for f in (k.op_digest, k._candidates):
+        f.cache_clear()
+    assert "gemm.staged_test" in [f.name for f in k.families_for(p, "gpu")]
+    assert k.op_digest("kda.o_proj", "gpu") != plain
+
+
+def test_unknown_extra_family_is_a_clear_error(staged_registry, monkeypatch):
+    from k3tune.errors import ConfigError
+
+    monkeypatch.setenv("K3TUNE_EXTRA_FAMILIES", "gemm.nosuch")
+    with pytest.raises(ConfigError, match="K3TUNE_EXTRA_FAMILIES names 'gemm.nosuch'"):
+        staged_registry._extra_families()
