@@ -23,6 +23,7 @@ K3TUNE_KERNEL_CACHE=$(mktemp -d) K3TUNE_WORKER_KERNEL_CACHE=1 timeout ${SWEEP_S:
   > $OUT/sweep.log 2>&1
 echo "sweep rc=$?"
 grep -E '"(trials|seconds|failed|problems_done|polish_passes|polish_changed|polish_s|polish_plan_s|polish_build_s|worker_build_s)"' $OUT/sweep.log
+xz -T0 -c /tmp/sweep.sqlite > $OUT/sweep.sqlite.xz  # every trial, for the notebook (the export keeps winners only)
 python3 -c "from k3tune.store.db import Database; from k3tune.store.inspect import is_current; \
 from k3tune.store.transfer import export; \
 print(export(Database('/tmp/sweep.sqlite', create=False), '$OUT/new.sqlite', hardware='H200', keep=is_current))" || exit 1
