@@ -20,8 +20,8 @@ from k3tune.kernels.mla_decode import MlaSplitKv, MlaTorch
 from k3tune.kernels.moe_block import MoeOverlap, MoeStock
 from k3tune.plan.problems import OPS, Problem
 
-__all__ = ["FAMILIES", "STAGED", "KernelConfig", "KernelFamily", "Work", "count_configs", "family", "families_for", "op_digest",
-           "params_key", "safe_default"]
+__all__ = ["FAMILIES", "STAGED", "KernelConfig", "KernelFamily", "Work", "count_configs", "family", "families_for",
+           "op_digest", "op_families", "params_key", "safe_default"]
 
 FAMILIES: dict[str, KernelFamily] = {
     f.name: f
@@ -96,14 +96,18 @@ def _dsl_version() -> str:
         return "none"
 
 
+def op_families(op: str, backend: str) -> list[KernelFamily]:
+    """Every family that may serve the op on the backend (whether or not it implements a given shape)."""
+    _check_backend(backend)
+    kind = OPS[op].kind if op in OPS else op
+    return [f for f in FAMILIES.values() if backend in f.backends and kind in f.kinds and (f.ops is None or op in f.ops)]
+
+
 @functools.cache
 def op_digest(op: str, backend: str) -> str:
     """Digest of every family that may serve the op on the backend: a change to any of them, or a family
     added or removed, makes the op's tuned winners stale."""
-    _check_backend(backend)
-    kind = OPS[op].kind if op in OPS else op
-    parts = sorted(f"{f.name}:{f.digest}" for f in FAMILIES.values()
-                   if backend in f.backends and kind in f.kinds and (f.ops is None or op in f.ops))
+    parts = sorted(f"{f.name}:{f.digest}" for f in op_families(op, backend))
     parts.append(f"cutlass-dsl:{_dsl_version()}" if backend == "gpu" else "")
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 

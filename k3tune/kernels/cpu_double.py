@@ -53,6 +53,7 @@ class CpuGemm(KernelFamily):
     config_cls = CpuGemmConfig
     backends = frozenset({"cpu"})
     priority = 90
+    depends_on = ("k3tune.kernels.gemm_common",)  # inputs, the fp32 reference and the split-K reduce kernel
 
     def space(self, problem: Problem) -> dict[str, tuple]:
         return {"block_k": tuple(b for b in (64, 128, 256, 512, 1024) if b <= problem["K"])}

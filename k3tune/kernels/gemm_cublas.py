@@ -25,6 +25,7 @@ class CublasGemm(KernelFamily):
     config_cls = CublasConfig
     backends = frozenset({"gpu", "simulated", "cpu"})
     priority = 10  # the safe choice wins statistical ties
+    depends_on = ("k3tune.kernels.gemm_common",)  # inputs, the fp32 reference and the split-K reduce kernel
 
     def work(self, problem: Problem, cfg: CublasConfig) -> Work:
         m, n = problem["M"], problem["N"]

@@ -50,6 +50,7 @@ class SmallMGemm(KernelFamily):
     config_cls = SmallMConfig
     backends = frozenset({"gpu", "simulated"})
     priority = 30
+    depends_on = ("k3tune.kernels.gemm_common",)  # inputs, the fp32 reference and the split-K reduce kernel
     off = {"pdl": 0}  # programmatic dependent launch is recorded only where it pays beyond the noise
 
     def can_implement(self, problem: Problem) -> bool:

@@ -84,6 +84,7 @@ class SplitKTensorCoreGemm(KernelFamily):
     config_cls = SplitKConfig
     backends = frozenset({"gpu", "simulated"})
     priority = 40
+    depends_on = ("k3tune.kernels.gemm_common",)  # inputs, the fp32 reference and the split-K reduce kernel
     off = {"pdl": 0}  # programmatic dependent launch is recorded only where it pays beyond the noise
 
     def can_implement(self, problem: Problem) -> bool:

@@ -1,0 +1,210 @@
+"""Re-key a tuning database after a change that only widens what its keys cover, never after a change to code that
+runs. A family's digest covers its module and its ``depends_on``; adding a module to ``depends_on`` (a gap closed:
+tests/test_digests.py) changes every digest of that family and of the ops it serves, so results measured with exactly
+that code would read as stale. This rewrites the digests of those results, and only of those:
+
+    python bench/rekey_db.py --base COMMIT [--target COMMIT] DB.sqlite [...]
+
+``base``: the commit whose code the database is current under; ``target``: the commit (default: this checkout, which
+must have no uncommitted changes to the modules involved) whose digests it gets. It refuses unless every family whose
+digest differs differs only by its ``depends_on`` (module syntax trees equal once that assignment is removed), and
+every module that was already covered is byte-identical at both commits. A result is re-keyed only if its stored
+digest is the base code's and every newly covered module it depends on was last committed before the result was
+created (otherwise it may have run other code: it stays stale). Written to a temporary copy, then moved into place.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import io
+import json
+import os
+import shutil
+import sqlite3
+import subprocess
+import sys
+import tarfile
+import tempfile
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BACKEND_OF = {"measured": "gpu", "simulated": "simulated", "cpu": "cpu"}  # store value -> registry backend
+PROBE = """
+import json
+from k3tune import kernels
+from k3tune.plan.problems import OPS
+fams = kernels.FAMILIES
+
+
+def op_families(op, b):  # kernels.op_families, for commits from before it existed
+    if hasattr(kernels, "op_families"):
+        return kernels.op_families(op, b)
+    kind = OPS[op].kind
+    return [f for f in fams.values() if b in f.backends and kind in f.kinds and (f.ops is None or op in f.ops)]
+
+
+print(json.dumps({
+    "families": {n: {"digest": f.digest, "module": type(f).__module__, "depends_on": list(f.depends_on)}
+                 for n, f in fams.items()},
+    "ops": {f"{op}|{b}": {"digest": kernels.op_digest(op, b), "families": [f.name for f in op_families(op, b)]}
+            for op in OPS for b in ("gpu", "simulated", "cpu")}}))
+"""
+
+
+class RekeyError(Exception):
+    pass
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(["git", "-C", str(ROOT), *args], check=True, capture_output=True, text=True).stdout
+
+
+def _source(commit: str | None, module: str) -> str:
+    path = module.replace(".", "/") + ".py"
+    return (ROOT / path).read_text() if commit is None else _git("show", f"{commit}:{path}")
+
+
+def _keys(commit: str | None) -> dict:
+    """Family and op digests as the code at ``commit`` (None: this checkout) computes them, in a fresh process."""
+    env = {k: v for k, v in os.environ.items() if k != "K3TUNE_EXTRA_FAMILIES"}
+    with tempfile.TemporaryDirectory() as d:
+        tree = ROOT
+        if commit is not None:
+            blob = subprocess.run(["git", "-C", str(ROOT), "archive", commit, "k3tune"], check=True,
+                                  capture_output=True).stdout
+            tarfile.open(fileobj=io.BytesIO(blob)).extractall(d)
+            tree = Path(d)
+        env["PYTHONPATH"] = str(tree)
+        out = subprocess.run([sys.executable, "-c", PROBE], env=env, cwd=d, check=True, capture_output=True, text=True)
+    return json.loads(out.stdout)
+
+
+def _without_depends_on(src: str) -> str:
+    tree = ast.parse(src)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            node.body = [s for s in node.body if not (
+                isinstance(s, ast.Assign | ast.AnnAssign)
+                and any(isinstance(t, ast.Name) and t.id == "depends_on"
+                        for t in (s.targets if isinstance(s, ast.Assign) else [s.target])))]
+    return ast.dump(tree)
+
+
+def _last_change(commit: str | None, module: str) -> datetime:
+    path = module.replace(".", "/") + ".py"
+    if commit is None and _git("status", "--porcelain", "--", path).strip():
+        raise RekeyError(f"{path} has uncommitted changes: commit them or name --target")
+    stamp = _git("log", "-1", "--format=%cI", commit or "HEAD", "--", path).strip()
+    return datetime.fromisoformat(stamp).astimezone(timezone.utc).replace(tzinfo=None)
+
+
+def plan(base: str, target: str | None) -> dict:
+    """What may be re-keyed: per family, old digest -> (new digest, newly covered modules with their last change)."""
+    old, new = _keys(base), _keys(target)
+    fams = {}
+    for name, n in new["families"].items():
+        o = old["families"].get(name)
+        if o is None or o["digest"] == n["digest"]:
+            continue
+        if o["module"] != n["module"]:
+            raise RekeyError(f"{name} moved from {o['module']} to {n['module']}: not a widening")
+        if _without_depends_on(_source(base, o["module"])) != _without_depends_on(_source(target, n["module"])):
+            raise RekeyError(f"{name}: {n['module']} changed beyond its depends_on between the commits: re-sweep it")
+        if not set(o["depends_on"]) <= set(n["depends_on"]):
+            raise RekeyError(f"{name}: its depends_on lost {sorted(set(o['depends_on']) - set(n['depends_on']))}")
+        for m in o["depends_on"]:
+            if _source(base, m) != _source(target, m):
+                raise RekeyError(f"{name}: {m}, already in its key, changed between the commits: re-sweep it")
+        added = {m: _last_change(target, m) for m in n["depends_on"] if m not in o["depends_on"]}
+        for m in added:
+            if _source(base, m) != _source(target, m):
+                raise RekeyError(f"{name}: {m} changed between the commits: re-sweep it")
+        fams[name] = {"old": o["digest"], "new": n["digest"], "added": added}
+    ops = {k: {"old": old["ops"][k]["digest"], "new": v["digest"], "families": v["families"]}
+           for k, v in new["ops"].items() if k in old["ops"] and old["ops"][k]["digest"] != v["digest"]}
+    for k, v in ops.items():
+        changed = set(v["families"]) ^ set(old["ops"][k]["families"])
+        if changed:
+            raise RekeyError(f"op {k}: families {sorted(changed)} added or removed: re-sweep it")
+        if any(old["families"][f]["digest"] != new["families"][f]["digest"] and f not in fams for f in v["families"]):
+            raise RekeyError(f"op {k}: a family changed that is not a widening")
+    return {"families": fams, "ops": ops}
+
+
+def _created(value) -> datetime:
+    return value if isinstance(value, datetime) else datetime.fromisoformat(str(value))
+
+
+def rekey(db: Path, keys: dict) -> dict:
+    """Rewrite one SQLite database's digests (a copy is changed, then moved over the original)."""
+    fams, ops = keys["families"], keys["ops"]
+
+    def predates(created, families) -> bool:
+        return all(t < _created(created) for f in families if f in fams for t in fams[f]["added"].values())
+
+    counts = {"winners_family": 0, "winners_op": 0, "trials": 0, "left_stale": 0}
+    with tempfile.NamedTemporaryFile(dir=db.parent, prefix=f".{db.name}.", suffix=".tmp", delete=False) as tmp:
+        tmp_path = Path(tmp.name)
+    try:
+        src = sqlite3.connect(db)
+        dst = sqlite3.connect(tmp_path)
+        src.backup(dst)
+        src.close()
+        cur = dst.cursor()
+        rows = cur.execute("SELECT w.id, p.op, w.backend, w.family, w.family_digest, w.op_digest, w.created_at "
+                           "FROM winners w JOIN problems p ON p.id = w.problem_id").fetchall()
+        for wid, op, backend, fam, fdig, odig, created in rows:
+            okey = f"{op}|{BACKEND_OF[backend]}"
+            if fam in fams and fdig == fams[fam]["old"]:
+                if predates(created, [fam]):
+                    cur.execute("UPDATE winners SET family_digest = ? WHERE id = ?", (fams[fam]["new"], wid))
+                    counts["winners_family"] += 1
+                else:
+                    counts["left_stale"] += 1
+            if okey in ops and odig == ops[okey]["old"]:
+                if predates(created, ops[okey]["families"]):
+                    cur.execute("UPDATE winners SET op_digest = ? WHERE id = ?", (ops[okey]["new"], wid))
+                    counts["winners_op"] += 1
+                else:
+                    counts["left_stale"] += 1
+        for tid, fam, fdig, created in cur.execute(
+                "SELECT id, family, family_digest, created_at FROM trials").fetchall():
+            if fam in fams and fdig == fams[fam]["old"] and predates(created, [fam]):
+                cur.execute("UPDATE trials SET family_digest = ? WHERE id = ?", (fams[fam]["new"], tid))
+                counts["trials"] += 1
+        dst.commit()
+        if dst.execute("PRAGMA integrity_check").fetchone()[0] != "ok":
+            raise RekeyError(f"{db}: the re-keyed copy fails its integrity check (original untouched)")
+        dst.close()
+        shutil.copymode(db, tmp_path)
+        os.replace(tmp_path, db)
+    finally:
+        tmp_path.unlink(missing_ok=True)
+    return counts
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--base", required=True, help="commit whose code the databases are current under")
+    ap.add_argument("--target", default=None, help="commit whose digests they get (default: this checkout)")
+    ap.add_argument("dbs", nargs="+", type=Path)
+    args = ap.parse_args()
+    try:
+        for db in args.dbs:
+            if not db.is_file():
+                raise RekeyError(f"{db}: no such SQLite file")
+        keys = plan(args.base, args.target)
+        print(json.dumps({f: {"old": v["old"], "new": v["new"], "added": sorted(v["added"])}
+                          for f, v in keys["families"].items()}, indent=1))
+        for db in args.dbs:
+            print(db, rekey(db, keys))
+    except (RekeyError, subprocess.CalledProcessError, sqlite3.Error) as e:
+        detail = e.stderr.strip().splitlines()[-1] if isinstance(e, subprocess.CalledProcessError) and e.stderr else e
+        print(f"error: {detail}", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
