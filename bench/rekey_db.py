@@ -10,7 +10,7 @@ must have no uncommitted changes to the modules involved) whose digests it gets.
 digest differs differs only by its ``depends_on`` (module syntax trees equal once that assignment is removed), and
 every module that was already covered is byte-identical at both commits. A result is re-keyed only if its stored
 digest is the base code's and every newly covered module it depends on was last committed before the result was
-created (otherwise it may have run other code: it stays stale). Written to a temporary copy, then moved into place.
+created (otherwise it may have run other code: it stays stale). One transaction per database: all or nothing.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import ast
 import io
 import json
 import os
-import shutil
 import sqlite3
 import subprocess
 import sys
@@ -138,50 +137,47 @@ def _created(value) -> datetime:
 
 
 def rekey(db: Path, keys: dict) -> dict:
-    """Rewrite one SQLite database's digests (a copy is changed, then moved over the original)."""
+    """Rewrite one SQLite database's digests in one transaction (all or nothing; SQLite's journal makes it atomic, and
+    a copy moved over a database in WAL mode could meet that database's old -wal file)."""
     fams, ops = keys["families"], keys["ops"]
 
     def predates(created, families) -> bool:
         return all(t < _created(created) for f in families if f in fams for t in fams[f]["added"].values())
 
     counts = {"winners_family": 0, "winners_op": 0, "trials": 0, "left_stale": 0}
-    with tempfile.NamedTemporaryFile(dir=db.parent, prefix=f".{db.name}.", suffix=".tmp", delete=False) as tmp:
-        tmp_path = Path(tmp.name)
+    con = sqlite3.connect(db, isolation_level=None)
     try:
-        src = sqlite3.connect(db)
-        dst = sqlite3.connect(tmp_path)
-        src.backup(dst)
-        src.close()
-        cur = dst.cursor()
-        rows = cur.execute("SELECT w.id, p.op, w.backend, w.family, w.family_digest, w.op_digest, w.created_at "
+        con.execute("BEGIN IMMEDIATE")
+        rows = con.execute("SELECT w.id, p.op, w.backend, w.family, w.family_digest, w.op_digest, w.created_at "
                            "FROM winners w JOIN problems p ON p.id = w.problem_id").fetchall()
         for wid, op, backend, fam, fdig, odig, created in rows:
             okey = f"{op}|{BACKEND_OF[backend]}"
             if fam in fams and fdig == fams[fam]["old"]:
                 if predates(created, [fam]):
-                    cur.execute("UPDATE winners SET family_digest = ? WHERE id = ?", (fams[fam]["new"], wid))
+                    con.execute("UPDATE winners SET family_digest = ? WHERE id = ?", (fams[fam]["new"], wid))
                     counts["winners_family"] += 1
                 else:
                     counts["left_stale"] += 1
             if okey in ops and odig == ops[okey]["old"]:
                 if predates(created, ops[okey]["families"]):
-                    cur.execute("UPDATE winners SET op_digest = ? WHERE id = ?", (ops[okey]["new"], wid))
+                    con.execute("UPDATE winners SET op_digest = ? WHERE id = ?", (ops[okey]["new"], wid))
                     counts["winners_op"] += 1
                 else:
                     counts["left_stale"] += 1
-        for tid, fam, fdig, created in cur.execute(
+        for tid, fam, fdig, created in con.execute(
                 "SELECT id, family, family_digest, created_at FROM trials").fetchall():
             if fam in fams and fdig == fams[fam]["old"] and predates(created, [fam]):
-                cur.execute("UPDATE trials SET family_digest = ? WHERE id = ?", (fams[fam]["new"], tid))
+                con.execute("UPDATE trials SET family_digest = ? WHERE id = ?", (fams[fam]["new"], tid))
                 counts["trials"] += 1
-        dst.commit()
-        if dst.execute("PRAGMA integrity_check").fetchone()[0] != "ok":
-            raise RekeyError(f"{db}: the re-keyed copy fails its integrity check (original untouched)")
-        dst.close()
-        shutil.copymode(db, tmp_path)
-        os.replace(tmp_path, db)
+        if con.execute("PRAGMA integrity_check").fetchone()[0] != "ok":
+            raise RekeyError(f"{db}: integrity check failed: nothing written")
+        con.execute("COMMIT")
+    except BaseException:
+        if con.in_transaction:
+            con.execute("ROLLBACK")
+        raise
     finally:
-        tmp_path.unlink(missing_ok=True)
+        con.close()
     return counts
 
 

@@ -8,6 +8,8 @@ import importlib
 import importlib.util
 import inspect
 
+import pytest
+
 from k3tune.kernels import FAMILIES, STAGED
 
 # modules that decide no measured result: errors, the family base and registry, the compile cache (a cached kernel is
@@ -66,3 +68,74 @@ def test_the_import_scan_sees_lazy_imports():
     """moe_block imports the runtime executor inside functions: the scan must still see it."""
     deps = {d for d, _ in _imports("k3tune.kernels.moe_block")}
     assert {"k3tune.runtime.moe", "k3tune.runtime.partition", "k3tune.runtime.selector"} <= deps
+
+
+# bench/rekey_db.py, on this repository's own history: the session-12 widening (gemm_common, mxfp4 and the hardware
+# model added to the keys) and the shipped database it re-keyed
+REKEY_BASE, REKEY_TARGET = "1702ea696fa6a5b4728521109f3d7294b2c550f2", "5c348330b26a9baf86db978b68ad92e755591dcb"
+KERNEL_CHANGE = "9d74fb5"  # splitk_tc: tokens past M are not loaded (a real code change)
+
+
+def _rekey_module():
+    import os
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    have = subprocess.run(["git", "-C", str(root), "cat-file", "-e", f"{REKEY_TARGET}^{{commit}}"],
+                          capture_output=True).returncode == 0
+    if not have:
+        if os.environ.get("CI") == "true":
+            raise AssertionError("CI must run in a clone with the repository's history")
+        pytest.skip("needs this repository's git history")
+    spec = importlib.util.spec_from_file_location("rekey_db", root / "bench" / "rekey_db.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _shipped_at(mod, commit, path):
+    import subprocess
+
+    blob = subprocess.run(["git", "-C", str(mod.ROOT), "show", f"{commit}:tuning_db/h200.sqlite"], check=True,
+                          capture_output=True).stdout
+    path.write_bytes(blob)
+    return path
+
+
+def _digests(path):
+    import sqlite3
+
+    with sqlite3.connect(path) as c:
+        return {r[0]: r[1:] for r in c.execute("SELECT p.key || '|' || w.backend, w.family, w.family_digest, "
+                                               "w.op_digest FROM winners w JOIN problems p ON p.id = w.problem_id")}
+
+
+def test_rekey_reproduces_the_shipped_rekey_and_leaves_doubtful_results_stale(tmp_path):
+    import sqlite3
+
+    mod = _rekey_module()
+    keys = mod.plan(REKEY_BASE, REKEY_TARGET)
+    assert {f: sorted(v["added"]) for f, v in keys["families"].items()}["gemm.wgmma"] == ["k3tune.kernels.gemm_common"]
+    db = _shipped_at(mod, REKEY_BASE, tmp_path / "before.sqlite")
+    with sqlite3.connect(db) as c:  # one winner from another code (stale before), one older than gemm_common's change
+        (tampered,) = c.execute("SELECT id FROM winners WHERE family = 'gemm.splitk_tc' LIMIT 1").fetchone()
+        (early,) = c.execute("SELECT id FROM winners WHERE family = 'gemm.cublas' LIMIT 1").fetchone()
+        c.execute("UPDATE winners SET family_digest = 'ffffffffffffffff' WHERE id = ?", (tampered,))
+        c.execute("UPDATE winners SET created_at = '2026-11-29 12:00:00' WHERE id = ?", (early,))
+    counts = mod.rekey(db, keys)
+    assert counts["left_stale"] == 2  # the early one: its family digest and its op digest
+    with sqlite3.connect(db) as c:
+        got = dict(c.execute("SELECT id, family_digest FROM winners WHERE id IN (?, ?)", (tampered, early)).fetchall())
+    assert got[tampered] == "ffffffffffffffff"
+    assert got[early] == keys["families"]["gemm.cublas"]["old"]
+    shipped = _digests(_shipped_at(mod, REKEY_TARGET, tmp_path / "after.sqlite"))
+    mine = _digests(db)
+    differ = {k for k in shipped if shipped[k] != mine[k]}
+    assert len(differ) == 2 and len(shipped) == len(mine) == 270  # all but the two doubtful ones as shipped
+
+
+def test_rekey_refuses_a_real_kernel_change():
+    mod = _rekey_module()
+    with pytest.raises(mod.RekeyError, match="changed beyond its depends_on"):
+        mod.plan(f"{KERNEL_CHANGE}~1", KERNEL_CHANGE)
