@@ -7,8 +7,10 @@ that code would read as stale. This rewrites the digests of those results, and o
 
 ``base``: the commit whose code the database is current under; ``target``: the commit (default: this checkout, which
 must have no uncommitted changes to the modules involved) whose digests it gets. It refuses unless every family whose
-digest differs differs only by its ``depends_on`` (module syntax trees equal once that assignment is removed), and
-every module that was already covered is byte-identical at both commits. A result is re-keyed only if its stored
+digest differs differs only by its ``depends_on`` (module syntax trees equal once that assignment is removed), or only
+in members that the simulated backend alone calls (``work``, ``simulate_us``) and in the ``archs`` it declares code
+for (then only measured results on a supported arch are re-keyed; simulated ones stay stale), and every module that
+was already covered is byte-identical at both commits. A result is re-keyed only if its stored
 digest is the base code's and every newly covered module it depends on was last committed before the result was
 created (otherwise it may have run other code: it stays stale). One transaction per database: all or nothing.
 """
@@ -45,8 +47,8 @@ def op_families(op, b):  # kernels.op_families, for commits from before it exist
 
 
 print(json.dumps({
-    "families": {n: {"digest": f.digest, "module": type(f).__module__, "depends_on": list(f.depends_on)}
-                 for n, f in fams.items()},
+    "families": {n: {"digest": f.digest, "module": type(f).__module__, "depends_on": list(f.depends_on),
+                     "archs": list(getattr(f, "archs", None) or []) or None} for n, f in fams.items()},
     "ops": {f"{op}|{b}": {"digest": kernels.op_digest(op, b), "families": [f.name for f in op_families(op, b)]}
             for op in OPS for b in ("gpu", "simulated", "cpu")}}))
 """
@@ -80,14 +82,21 @@ def _keys(commit: str | None) -> dict:
     return json.loads(out.stdout)
 
 
-def _without_depends_on(src: str) -> str:
+SIMULATION_ONLY = ("work", "simulate_us")  # family members only the simulated backend calls (search/simulate.py)
+MEASURED_NEUTRAL = ("archs",)  # where a family is offered: no change on an arch it still supports
+
+
+def _without(src: str, methods: tuple[str, ...] = (), attrs: tuple[str, ...] = ()) -> str:
+    """The module's syntax tree without class-level ``depends_on`` assignments (and without the named methods and
+    class attributes)."""
     tree = ast.parse(src)
     for node in ast.walk(tree):
         if isinstance(node, ast.ClassDef):
             node.body = [s for s in node.body if not (
                 isinstance(s, ast.Assign | ast.AnnAssign)
-                and any(isinstance(t, ast.Name) and t.id == "depends_on"
-                        for t in (s.targets if isinstance(s, ast.Assign) else [s.target])))]
+                and any(isinstance(t, ast.Name) and t.id in ("depends_on", *attrs)
+                        for t in (s.targets if isinstance(s, ast.Assign) else [s.target])))
+                and not (isinstance(s, ast.FunctionDef) and s.name in methods)]
     return ast.dump(tree)
 
 
@@ -109,7 +118,12 @@ def plan(base: str, target: str | None) -> dict:
             continue
         if o["module"] != n["module"]:
             raise RekeyError(f"{name} moved from {o['module']} to {n['module']}: not a widening")
-        if _without_depends_on(_source(base, o["module"])) != _without_depends_on(_source(target, n["module"])):
+        before, after = _source(base, o["module"]), _source(target, n["module"])
+        if _without(before) == _without(after):
+            scope = "all"
+        elif _without(before, SIMULATION_ONLY, MEASURED_NEUTRAL) == _without(after, SIMULATION_ONLY, MEASURED_NEUTRAL):
+            scope = "measured"  # the simulation model changed: simulated results are stale, measured ones are not
+        else:
             raise RekeyError(f"{name}: {n['module']} changed beyond its depends_on between the commits: re-sweep it")
         if not set(o["depends_on"]) <= set(n["depends_on"]):
             raise RekeyError(f"{name}: its depends_on lost {sorted(set(o['depends_on']) - set(n['depends_on']))}")
@@ -120,7 +134,7 @@ def plan(base: str, target: str | None) -> dict:
         for m in added:
             if _source(base, m) != _source(target, m):
                 raise RekeyError(f"{name}: {m} changed between the commits: re-sweep it")
-        fams[name] = {"old": o["digest"], "new": n["digest"], "added": added}
+        fams[name] = {"old": o["digest"], "new": n["digest"], "added": added, "scope": scope, "archs": n["archs"]}
     ops = {k: {"old": old["ops"][k]["digest"], "new": v["digest"], "families": v["families"]}
            for k, v in new["ops"].items() if k in old["ops"] and old["ops"][k]["digest"] != v["digest"]}
     for k, v in ops.items():
@@ -141,32 +155,40 @@ def rekey(db: Path, keys: dict) -> dict:
     a copy moved over a database in WAL mode could meet that database's old -wal file)."""
     fams, ops = keys["families"], keys["ops"]
 
-    def predates(created, families) -> bool:
-        return all(t < _created(created) for f in families if f in fams for t in fams[f]["added"].values())
+    def scoped(f, backend, arch) -> bool:
+        archs = fams[f]["archs"]
+        return fams[f]["scope"] == "all" or (backend == "measured" and (
+            archs is None or any(arch.startswith(a) for a in archs)))
+
+    def allowed(created, backend, families, arch) -> bool:
+        return all(scoped(f, backend, arch) for f in families if f in fams) and all(
+            t < _created(created) for f in families if f in fams for t in fams[f]["added"].values())
 
     counts = {"winners_family": 0, "winners_op": 0, "trials": 0, "left_stale": 0}
     con = sqlite3.connect(db, isolation_level=None)
     try:
         con.execute("BEGIN IMMEDIATE")
-        rows = con.execute("SELECT w.id, p.op, w.backend, w.family, w.family_digest, w.op_digest, w.created_at "
-                           "FROM winners w JOIN problems p ON p.id = w.problem_id").fetchall()
-        for wid, op, backend, fam, fdig, odig, created in rows:
+        arch_of = {hid: "sm_" + cc.replace(".", "") + "a"
+                   for hid, cc in con.execute("SELECT id, compute_capability FROM hardware")}
+        rows = con.execute("SELECT w.id, p.op, w.backend, w.family, w.family_digest, w.op_digest, w.created_at, "
+                           "w.hardware_id FROM winners w JOIN problems p ON p.id = w.problem_id").fetchall()
+        for wid, op, backend, fam, fdig, odig, created, hid in rows:
             okey = f"{op}|{BACKEND_OF[backend]}"
             if fam in fams and fdig == fams[fam]["old"]:
-                if predates(created, [fam]):
+                if allowed(created, backend, [fam], arch_of[hid]):
                     con.execute("UPDATE winners SET family_digest = ? WHERE id = ?", (fams[fam]["new"], wid))
                     counts["winners_family"] += 1
                 else:
                     counts["left_stale"] += 1
             if okey in ops and odig == ops[okey]["old"]:
-                if predates(created, ops[okey]["families"]):
+                if allowed(created, backend, ops[okey]["families"], arch_of[hid]):
                     con.execute("UPDATE winners SET op_digest = ? WHERE id = ?", (ops[okey]["new"], wid))
                     counts["winners_op"] += 1
                 else:
                     counts["left_stale"] += 1
-        for tid, fam, fdig, created in con.execute(
-                "SELECT id, family, family_digest, created_at FROM trials").fetchall():
-            if fam in fams and fdig == fams[fam]["old"] and predates(created, [fam]):
+        for tid, fam, fdig, created, backend, hid in con.execute(
+                "SELECT id, family, family_digest, created_at, backend, hardware_id FROM trials").fetchall():
+            if fam in fams and fdig == fams[fam]["old"] and allowed(created, backend, [fam], arch_of[hid]):
                 con.execute("UPDATE trials SET family_digest = ? WHERE id = ?", (fams[fam]["new"], tid))
                 counts["trials"] += 1
         if con.execute("PRAGMA integrity_check").fetchone()[0] != "ok":
@@ -192,7 +214,7 @@ def main() -> None:
             if not db.is_file():
                 raise RekeyError(f"{db}: no such SQLite file")
         keys = plan(args.base, args.target)
-        print(json.dumps({f: {"old": v["old"], "new": v["new"], "added": sorted(v["added"])}
+        print(json.dumps({f: {"old": v["old"], "new": v["new"], "added": sorted(v["added"]), "scope": v["scope"]}
                           for f, v in keys["families"].items()}, indent=1))
         for db in args.dbs:
             print(db, rekey(db, keys))

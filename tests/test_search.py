@@ -43,7 +43,7 @@ def _drive(search: ProblemSearch, timing) -> int:
 
 def test_exhaustive_search_measures_each_config_once_and_picks_the_best():
     p = Problem("kda.decode", "kda_decode", (("heads", 12), ("head_dim", 128), ("batch", 8), ("qlen", 1)))
-    fams = families_for(p, "simulated")
+    fams = families_for(p, "simulated", GB300.arch)
     total = sum(1 for f in fams for _ in f.configs(p))
     s = ProblemSearch(p, fams, spec.SearchSettings(budget=total, patience=99, remeasure_top=2, samples=9), seed=0)
     assert s.exhaustive
@@ -62,7 +62,7 @@ def test_exhaustive_search_measures_each_config_once_and_picks_the_best():
 
 def test_tpe_search_respects_budget_and_is_seeded():
     p = Problem("kda.qkvg_proj", "gemm", (("M", 8), ("N", 6144), ("K", 7168)))
-    fams = families_for(p, "simulated")
+    fams = families_for(p, "simulated", GB300.arch)
     backend = SimulatedBackend(GB300, seed=0)
 
     def timing(c):
@@ -83,9 +83,9 @@ def test_tpe_samples_its_next_candidate_while_the_current_one_is_measured():
     the compile farm), and that is exactly the candidate handed out after the current result arrives."""
     p = Problem("kda.qkvg_proj", "gemm", (("M", 8), ("N", 6144), ("K", 7168)))
     backend = SimulatedBackend(GB300, seed=0)
-    seeds = len(ProblemSearch(p, families_for(p, "simulated"), spec.SearchSettings(budget=1), seed=3).queue)
+    seeds = len(ProblemSearch(p, families_for(p, "simulated", GB300.arch), spec.SearchSettings(budget=1), seed=3).queue)
     tpe_steps = 10  # past however many seeds the families declare
-    s = ProblemSearch(p, families_for(p, "simulated"), spec.SearchSettings(budget=seeds + tpe_steps, patience=99),
+    s = ProblemSearch(p, families_for(p, "simulated", GB300.arch), spec.SearchSettings(budget=seeds + tpe_steps, patience=99),
                       seed=3)
     ahead_seen, n, ahead = 0, 0, None
     while not s.finished:
@@ -110,7 +110,7 @@ def test_upcoming_is_what_next_hands_out_and_changes_no_choice():
     backend = SimulatedBackend(GB300, seed=0)
 
     def run(peek: bool):
-        s = ProblemSearch(p, families_for(p, "simulated"), SETTINGS, seed=5)
+        s = ProblemSearch(p, families_for(p, "simulated", GB300.arch), SETTINGS, seed=5)
         seen = []
         while not s.finished:
             up = s.upcoming() if peek else None
@@ -151,7 +151,7 @@ def test_blocked_on_builds_when_no_open_search_has_a_compiled_candidate():
     from k3tune.search.driver import blocked_on_builds
 
     p = Problem("kda.o_proj", "gemm", (("M", 1), ("N", 7168), ("K", 768)))
-    fams = families_for(p, "simulated")
+    fams = families_for(p, "simulated", GB300.arch)
     search = ProblemSearch(p, fams, SETTINGS, seed=0)
     only_cublas = lambda pid, cand: cand.family == "gemm.cublas"  # noqa: E731  every other kernel still compiling
     assert search.upcoming().family == "gemm.cublas"  # a fresh search starts with the safe baseline
@@ -205,7 +205,7 @@ def test_a_winner_of_an_older_kernel_version_warm_starts_the_search():
     fam = family("moe.overlap")
     old = {k: v for k, v in fam.default_config(p).params().items() if k != "routed_on"}
     old.update(w13_rows=8, w2_warps=1, shared_sms=24, prefetch_mib=3)  # 3 MiB: not in today's space
-    s = ProblemSearch(p, families_for(p, "simulated"), SETTINGS, seed=0, warm=[("moe.overlap", old)])
+    s = ProblemSearch(p, families_for(p, "simulated", GB300.arch), SETTINGS, seed=0, warm=[("moe.overlap", old)])
     seeded = [c.params for c in s.queue if c.family == "moe.overlap"]
     want = {**old, "routed_on": fam.default_config(p).routed_on, "prefetch_mib": fam.default_config(p).prefetch_mib}
     assert want in seeded
@@ -213,7 +213,7 @@ def test_a_winner_of_an_older_kernel_version_warm_starts_the_search():
 
 def test_statistical_ties_break_deterministically_to_the_safer_family():
     p = Problem("kda.o_proj", "gemm", (("M", 4), ("N", 7168), ("K", 1536)))
-    fams = families_for(p, "simulated")
+    fams = families_for(p, "simulated", GB300.arch)
     s = ProblemSearch(p, fams, spec.SearchSettings(budget=3, patience=1, remeasure_top=3, samples=9), seed=0)
     _drive(s, lambda c: 5.0 if c.family == "gemm.cublas" else 4.99)
     assert s.decision.family == "gemm.cublas"  # within the noise: the safe baseline wins the tie
@@ -222,7 +222,7 @@ def test_statistical_ties_break_deterministically_to_the_safer_family():
 
 def test_failed_candidates_never_win():
     p = Problem("kda.o_proj", "gemm", (("M", 4), ("N", 7168), ("K", 1536)))
-    s = ProblemSearch(p, families_for(p, "simulated"), SETTINGS, seed=0)
+    s = ProblemSearch(p, families_for(p, "simulated", GB300.arch), SETTINGS, seed=0)
     _drive(s, lambda c: None if c.family != "gemm.cublas" else 9.0)
     assert s.decision.family == "gemm.cublas"
 
@@ -553,7 +553,7 @@ def test_off_knobs_do_not_outrank_the_safe_family():
     """The GEMM kernels declare PDL as an off knob; in a tie the safer family (cuBLAS, none declared) still wins,
     and among a family's configs the one with PDL off does."""
     p = Problem("kda.o_proj", "gemm", (("M", 4), ("N", 7168), ("K", 1536)))
-    fams = families_for(p, "simulated")
+    fams = families_for(p, "simulated", GB300.arch)
     assert not family("gemm.cublas").off and family("gemm.smallm").off == {"pdl": 0}
     s = ProblemSearch(p, fams, spec.SearchSettings(budget=12, patience=12, remeasure_top=3, samples=9), seed=0)
     _drive(s, lambda c: 5.0)
@@ -689,3 +689,42 @@ def test_winners_agree_counts_every_shared_problem_once(tmp_path):
     assert decided == 6 and r["same"] + r["tie"] + len(r["beyond"]) + len(r["not_cross_measured"]) == decided
     assert r["same"] < decided, "the seeds gave different winners somewhere"
     assert mod.agree(paths[0], paths[0])["same"] == decided
+
+
+def test_simulated_blackwell_never_runs_the_hopper_only_kernel():
+    """gemm.wgmma has no Blackwell code: a sweep for a (simulated) GB300 is never offered it (one had picked it, and
+    spent 842 trials on it as invalid once it was refused), and the simulated backend refuses it there; on a
+    simulated H200 it is offered and modelled."""
+    from k3tune.kernels import families_for
+    from k3tune.plan.hardware import spec as hw_spec
+    from k3tune.plan.problems import Problem
+    from k3tune.search.outcome import Task
+    from k3tune.search.simulate import SimulatedBackend
+
+    p = Problem("kda.o_proj", "gemm", (("M", 32), ("N", 7168), ("K", 1536)))
+    params = {"warpgroups": 1, "tile_m": 32, "split_k": 1, "bk": 128, "stages": 4, "pdl": 1}
+    gb300 = SimulatedBackend(hw_spec("gb300")).measure(Task(1, p, "gemm.wgmma", params, 0, 5))
+    h200 = SimulatedBackend(hw_spec("h200")).measure(Task(1, p, "gemm.wgmma", params, 0, 5))
+    assert gb300.status == "invalid" and "no code for sm_103a" in gb300.error
+    assert h200.status == "ok" and h200.median_us > 0
+    offered = {k: [f.name for f in families_for(p, "simulated", hw_spec(k).arch)] for k in ("gb300", "h200")}
+    assert "gemm.wgmma" not in offered["gb300"] and "gemm.wgmma" in offered["h200"]
+
+
+def test_sweep_offers_families_only_where_they_have_code(tmp_path):
+    """The driver passes the sweep's arch to the registry: a simulated GB300 sweep times no gemm.wgmma config at
+    all, a simulated H200 sweep of the same spec does."""
+    import sqlite3
+
+    from k3tune.plan.hardware import spec as hw_spec
+
+    sp = spec.from_dict({"matrix": {"tp": [8], "batch": [32], "ops": ["kda.o_proj"]},
+                         "buckets": {"tokens": [32], "batch": [32], "query_len": [1]},
+                         "search": {"budget": 24, "polish": 0}})
+    fams = {}
+    for key in ("gb300", "h200"):
+        path = tmp_path / f"{key}.sqlite"
+        run_sweep(SweepOptions(sp, model.load(), store_db.open_db(str(path)), "simulated", 1, hw=hw_spec(key)))
+        with sqlite3.connect(path) as c:
+            fams[key] = {f for (f,) in c.execute("SELECT DISTINCT family FROM trials")}
+    assert "gemm.wgmma" not in fams["gb300"] and "gemm.wgmma" in fams["h200"], fams

@@ -68,11 +68,11 @@ def _candidates(kind: str, backend: str) -> tuple[KernelFamily, ...]:
     return tuple(sorted(found, key=lambda f: (f.priority, f.name)))
 
 
-def families_for(problem: Problem, backend: str) -> list[KernelFamily]:
-    """Families that implement the problem (with at least one valid config) and may run on the backend,
-    safest first."""
+def families_for(problem: Problem, backend: str, arch: str | None = None) -> list[KernelFamily]:
+    """Families that implement the problem (with at least one valid config) and may run on the backend (and, where
+    ``arch`` is given, have code for it), safest first."""
     return [f for f in _candidates(problem.kind, backend)
-            if f.can_implement(problem) and f.runs_on(problem, backend) and _has_config(f, problem)]
+            if f.supports(arch) and f.can_implement(problem) and f.runs_on(problem, backend) and _has_config(f, problem)]
 
 
 @functools.lru_cache(maxsize=65536)

@@ -69,6 +69,7 @@ class KernelFamily:
     backends: ClassVar[frozenset[str]]  # which measurement backends may run it
     priority: ClassVar[int] = 50  # statistical ties go to the lower number (simpler, safer kernels)
     declared_only: ClassVar[bool] = False  # space declared for simulation; GPU code not landed yet
+    archs: ClassVar[tuple[str, ...] | None] = None  # arch prefixes it has code for ("sm_90"); None: every arch
 
     # ---- the search space -------------------------------------------------------------------
     def space(self, problem: Problem) -> dict[str, tuple]:
@@ -114,6 +115,10 @@ class KernelFamily:
             for c in self.configs(problem):
                 return c
             raise CannotImplement(f"{self.name} has no valid config for {problem.key}") from None
+
+    def supports(self, arch: str | None) -> bool:
+        """Whether the family has code for this arch (``sm_90a``, ``sm_103a``; None: not known, every family)."""
+        return arch is None or self.archs is None or any(arch.startswith(a) for a in self.archs)
 
     def runs_on(self, problem: Problem, backend: str) -> bool:
         """Whether this backend can measure the problem with this family (some formats are GPU-pending)."""

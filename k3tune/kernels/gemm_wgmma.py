@@ -65,6 +65,7 @@ class WgmmaGemm(KernelFamily):
     config_cls = WgmmaConfig
     backends = frozenset({"gpu", "simulated"})
     priority = 45
+    archs = ("sm_90",)  # Hopper only: Blackwell has no wgmma (a simulated GB300 sweep had picked it)
     depends_on = ("k3tune.kernels.gemm_common",)  # inputs, the fp32 reference and the split-K reduce kernel
     off = {"pdl": 0}
 

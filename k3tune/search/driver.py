@@ -101,6 +101,16 @@ def fingerprint_for(backend: str, hw: HardwareSpec | None) -> Fingerprint:
     return found[0]
 
 
+def arch_of(backend: str, hw: HardwareSpec | None, fp: Fingerprint) -> str | None:
+    """The arch the sweep's kernels run on: the modelled one, the detected GPU's (compute capability 9.0 ->
+    sm_90a), or none (the CPU test double)."""
+    if backend == "simulated":
+        return hw.arch
+    if backend == "gpu":
+        return "sm_" + fp.compute_capability.replace(".", "") + "a"
+    return None
+
+
 def _neighbour_distance(a: plans.Problem, b: plans.Problem) -> float:
     return sum(abs(math.log(max(1, x[1])) - math.log(max(1, y[1]))) for x, y in zip(a.dims, b.dims)
                if isinstance(x[1], int) and isinstance(y[1], int)) + sum(1 for x, y in zip(a.dims, b.dims) if x != y and not isinstance(x[1], int))
@@ -164,6 +174,7 @@ def run_sweep(opt: SweepOptions) -> SweepStats:
     farm = CompileFarm(procs, current_arch() if procs else "")  # spawns on its first submit
     try:
         fp = fingerprint_for(opt.backend, opt.hw)  # after the workers' start: on a GPU it starts CUDA here too
+        arch = arch_of(opt.backend, opt.hw, fp)  # families with no code for it are never offered (gemm.wgmma on GB300)
         digests = {op: op_digest(op, opt.backend) for op in {p.op for p in tunable}}
         fam_digests = {f.name: f.digest for f in FAMILIES.values()}
         method = method_digest(opt.backend)  # trials timed another way are neither reused nor overwritten
@@ -255,7 +266,7 @@ def run_sweep(opt: SweepOptions) -> SweepStats:
 
     def open_search(pid: int) -> ProblemSearch:
         p = by_id[pid]
-        fams = families_for(p, opt.backend)
+        fams = families_for(p, opt.backend, arch)
         with opt.db.session() as s:
             stored = records.stored_trials(s, hw_id, pid, {f.name: fam_digests[f.name] for f in fams}, method)
         search = ProblemSearch(p, fams, opt.spec.search, seed=opt.spec.search.seed + pid, stored=stored,
@@ -295,8 +306,8 @@ def run_sweep(opt: SweepOptions) -> SweepStats:
             wanted = {pid: d for pid, d in wanted.items() if pid not in coll}
         wanted_all, passes = dict(wanted), opt.spec.search.polish
         polish_start = 0.0  # monotonic time the first polish pass was planned
-        planner = polish.Planner(opt.db, hw_id, label, opt.spec.search, lambda p: families_for(p, opt.backend),
-                                 fam_digests, method, warm)
+        planner = polish.Planner(opt.db, hw_id, label, opt.spec.search,
+                                 lambda p: families_for(p, opt.backend, arch), fam_digests, method, warm)
         if not wanted:
             pool.close()  # nothing left to measure (the workers were started early, in vain)
         with pool:

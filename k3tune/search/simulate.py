@@ -55,6 +55,8 @@ class SimulatedBackend:
         self.seed = seed
 
     def measure(self, task: Task) -> Outcome:
+        if not get_family(task.family).supports(self.hw.arch):  # the driver never asks: a guard
+            return Outcome("invalid", error=f"{task.family} has no code for {self.hw.arch}")
         try:
             base = model_us(task, self.hw)
         except CannotImplement as e:
