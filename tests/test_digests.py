@@ -104,8 +104,9 @@ def _digests(path):
     import sqlite3
 
     with sqlite3.connect(path) as c:
-        return {r[0]: r[1:] for r in c.execute("SELECT p.key || '|' || w.backend, w.family, w.family_digest, "
-                                               "w.op_digest FROM winners w JOIN problems p ON p.id = w.problem_id")}
+        return {r[0]: r[1:] for r in c.execute("SELECT p.key || '|' || w.backend || '|' || w.hardware_id, w.family, "
+                                               "w.family_digest, w.op_digest FROM winners w "
+                                               "JOIN problems p ON p.id = w.problem_id")}
 
 
 def test_rekey_reproduces_the_shipped_rekey_and_leaves_doubtful_results_stale(tmp_path):
@@ -136,3 +137,38 @@ def test_rekey_refuses_a_real_kernel_change():
     mod = _rekey_module()
     with pytest.raises(mod.RekeyError, match="changed beyond its depends_on"):
         mod.plan(f"{KERNEL_CHANGE}~1", KERNEL_CHANGE)
+
+
+ARCHS_BASE, ARCHS_TARGET = "26a6419dbad0367ffb8ae8788e8ebdc3c950d8ca", "eef377465425dcc5b1222f7e1a0457f917e5317f"
+
+
+def test_rekey_of_a_simulation_only_change_keeps_simulated_and_other_arch_results_stale(tmp_path):
+    """gemm.wgmma gained ``archs`` (where it is offered): its H200 measurements stand, while a simulated result and a
+    measurement on an arch it has no code for (a GB300) are left stale."""
+    import sqlite3
+
+    mod = _rekey_module()
+    keys = mod.plan(ARCHS_BASE, ARCHS_TARGET)
+    assert {f: v["scope"] for f, v in keys["families"].items()} == {"gemm.wgmma": "measured"}
+    db = _shipped_at(mod, ARCHS_BASE, tmp_path / "before.sqlite")
+    with sqlite3.connect(db) as c:
+        c.execute("INSERT INTO hardware (id, digest, class_key, name, compute_capability, sm_count, memory_gib, driver,"
+                  " cuda, simulated) VALUES (7, 'gb300sim', 'sim:NVIDIA GB300', 'NVIDIA GB300', '10.3', 160, 288,"
+                  " 'simulated', 'simulated', 1), (8, 'gb300', 'NVIDIA GB300', 'NVIDIA GB300', '10.3', 160, 288,"
+                  " '13.0', '13.0', 0)")
+        cols = ("problem_id, op_digest, family, family_digest, params, median_us, spread_us, default_us, ties, trials,"
+                " run_id, origin, created_at")
+        for hid, backend in ((7, "simulated"), (8, "measured")):
+            c.execute(f"INSERT INTO winners (hardware_id, backend, {cols}) SELECT {hid}, '{backend}', {cols} "
+                      "FROM winners WHERE family = 'gemm.wgmma' AND hardware_id = 1 LIMIT 1")
+        (op,) = c.execute("SELECT p.op FROM winners w JOIN problems p ON p.id = w.problem_id "
+                          "WHERE w.hardware_id = 7").fetchone()
+        c.execute("UPDATE winners SET op_digest = ? WHERE hardware_id = 7", (keys["ops"][f"{op}|simulated"]["old"],))
+    counts = mod.rekey(db, keys)
+    assert counts["left_stale"] == 4  # two rows: family digest and op digest each
+    with sqlite3.connect(db) as c:
+        left = c.execute("SELECT hardware_id, family_digest FROM winners WHERE hardware_id IN (7, 8)").fetchall()
+    assert sorted(left) == [(7, keys["families"]["gemm.wgmma"]["old"]), (8, keys["families"]["gemm.wgmma"]["old"])]
+    shipped = _digests(_shipped_at(mod, "57382d72a50d7314c4486827d4490ad686047cb1", tmp_path / "after.sqlite"))
+    mine = {k: v for k, v in _digests(db).items() if k in shipped}
+    assert mine == shipped  # every H200 result re-keyed exactly as shipped
