@@ -14,6 +14,7 @@ class Settings:
     hardware: str | None  # K3TUNE_HARDWARE: hardware name to assume when none is detected
     ci: bool  # CI=true: tests that need PostgreSQL fail instead of skipping
     routing: str | None  # K3TUNE_ROUTING: the expert routing the served MoE block is tuned for (uniform, zipf:S, trace:F)
+    extra_families: tuple[str, ...] = ()  # K3TUNE_EXTRA_FAMILIES=a,b: staged kernel families to offer and key too
 
     @property
     def default_db(self) -> str:
@@ -31,4 +32,5 @@ def load() -> Settings:
         hardware=os.environ.get("K3TUNE_HARDWARE") or None,
         ci=_flag("CI"),
         routing=os.environ.get("K3TUNE_ROUTING") or None,
+        extra_families=tuple(filter(None, (n.strip() for n in os.environ.get("K3TUNE_EXTRA_FAMILIES", "").split(",")))),
     )

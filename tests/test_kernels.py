@@ -186,5 +186,25 @@ def test_unknown_extra_family_is_a_clear_error(staged_registry, monkeypatch):
     from k3tune.errors import ConfigError
 
     monkeypatch.setenv("K3TUNE_EXTRA_FAMILIES", "gemm.nosuch")
-    with pytest.raises(ConfigError, match="K3TUNE_EXTRA_FAMILIES names 'gemm.nosuch'"):
+    staged_registry._extra_families()  # at import: no traceback there; the first use says it
+    try:
+        p = problems.Problem("kda.o_proj", "gemm", (("M", 32), ("N", 7168), ("K", 1536)))
+        for use in (lambda: staged_registry.family("gemm.cublas"), lambda: staged_registry.families_for(p, "gpu")):
+            with pytest.raises(ConfigError, match="K3TUNE_EXTRA_FAMILIES names 'gemm.nosuch'"):
+                use()
+    finally:
+        monkeypatch.delenv("K3TUNE_EXTRA_FAMILIES")
         staged_registry._extra_families()
+
+
+def test_unknown_extra_family_on_the_command_line_is_one_line(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "K3TUNE_EXTRA_FAMILIES": "gemm.nosuch"}
+    out = subprocess.run([sys.executable, "-m", "k3tune", "plan"], env=env, capture_output=True, text=True,
+                         timeout=120, cwd=tmp_path)
+    assert out.returncode != 0
+    assert out.stderr.strip().splitlines() == [
+        "error: K3TUNE_EXTRA_FAMILIES names 'gemm.nosuch', which is no staged family (staged: none)"]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import os
 from importlib.metadata import PackageNotFoundError, version
 
 from k3tune.errors import ConfigError
@@ -37,11 +36,18 @@ FAMILIES: dict[str, KernelFamily] = {
 STAGED: dict[str, KernelFamily] = {}
 
 
+_EXTRA_ERROR: list[str] = []  # a bad K3TUNE_EXTRA_FAMILIES, raised on first use (an import-time raise is a traceback)
+
+
 def _extra_families() -> None:
-    for name in filter(None, (s.strip() for s in os.environ.get("K3TUNE_EXTRA_FAMILIES", "").split(","))):
+    from k3tune import settings
+
+    _EXTRA_ERROR.clear()
+    for name in settings.load().extra_families:
         if name not in STAGED and name not in FAMILIES:
-            raise ConfigError(f"K3TUNE_EXTRA_FAMILIES names '{name}', which is no staged family "
-                              f"(staged: {', '.join(STAGED) or 'none'})")
+            _EXTRA_ERROR.append(f"K3TUNE_EXTRA_FAMILIES names '{name}', which is no staged family "
+                                f"(staged: {', '.join(STAGED) or 'none'})")
+            continue
         FAMILIES.setdefault(name, STAGED.get(name))
 
 
@@ -49,6 +55,7 @@ _extra_families()
 
 
 def family(name: str) -> KernelFamily:
+    _check_extra()
     if name in FAMILIES:
         return FAMILIES[name]
     if name in STAGED:
@@ -56,7 +63,13 @@ def family(name: str) -> KernelFamily:
     raise ConfigError(f"unknown kernel family '{name}' (known: {', '.join([*FAMILIES, *STAGED])})")
 
 
+def _check_extra() -> None:
+    if _EXTRA_ERROR:
+        raise ConfigError(_EXTRA_ERROR[0])
+
+
 def _check_backend(backend: str) -> None:
+    _check_extra()
     if backend not in BACKENDS:
         raise ConfigError(f"unknown backend '{backend}' (known: {', '.join(BACKENDS)})")
 
