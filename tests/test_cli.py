@@ -152,3 +152,17 @@ def test_shipped_h200_database_is_current():
                  "sweep_h200_moe_bf16_zipf.toml", "sweep_h200_moe_mxfp4_zipf.toml",  # blocks tuned for Zipf 1.2
                  "sweep_h200x2_allreduce.toml", "sweep_h200x4_allreduce.toml"):  # the all-reduce on 2 and 4 GPUs
         assert main(["db", "verify", str(tuning_db_dir() / "h200.sqlite"), "--spec", str(configs_dir() / spec)]) == 0
+
+
+
+def test_lookup_reads_what_the_sweep_wrote_by_default(tmp_path, monkeypatch, capsys):
+    """The README's flow: `k3tune sweep --simulate gb300` writes ./k3tune.sqlite, and `k3tune lookup --simulate gb300`
+    with no --db serves its winners (it had served heuristic defaults: its default was only the shipped DB)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("K3TUNE_DB", raising=False)
+    assert main(["sweep", "--gpus", "2", "--simulate", "gb300", "--spec", "smoke", "--json"]) == 0
+    capsys.readouterr()
+    assert main(["lookup", "--tp", "16", "--batch", "8", "--draft", "1", "--simulate", "gb300", "--json"]) == 0
+    look = json.loads(capsys.readouterr().out)
+    assert look["db"] == "k3tune.sqlite" and not look["warnings"]
+    assert {o["op"]: o for o in look["ops"]}["kda.qkvg_proj"]["source"] == "simulated"

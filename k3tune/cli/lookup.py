@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.markup import escape
 from rich.table import Table
 
+from k3tune import settings
 from k3tune.cli.common import ConfigOption, JsonOption, SpecOption, console, print_json
 from k3tune.plan import model as models, spec as specs
 from k3tune.runtime import Selector
+
+LOCAL_DB = Path("k3tune.sqlite")  # relative: the working directory's, as `k3tune sweep` writes it
 
 
 def lookup(
@@ -19,7 +23,8 @@ def lookup(
     draft: Annotated[int, typer.Option(help="Speculative draft length, 0-7.")] = 0,
     dcp: Annotated[int, typer.Option(help="Decode context parallel size (divides tp).")] = 1,
     context: Annotated[int | None, typer.Option(help="Context length for attention (default: the largest bucket).")] = None,
-    db: Annotated[str | None, typer.Option("--db", help="Tuning database (default: the shipped one for the detected GPU).")] = None,
+    db: Annotated[str | None, typer.Option("--db", help="Tuning database (default: $K3TUNE_DB, else ./k3tune.sqlite where "
+                                                         "it exists, else the shipped one for the detected GPU).")] = None,
     simulate: Annotated[str | None, typer.Option("--simulate", help="Serve the simulated winners of this hardware (e.g. gb300).")] = None,
     hardware: Annotated[str | None, typer.Option("--hardware", help="Serve the measured winners of this GPU from --db (e.g. h200), "
                                                  "to inspect a database on another machine.")] = None,
@@ -30,19 +35,20 @@ def lookup(
     """Print the chosen kernel and knobs for every op of the decode layer, with where each came from.
 
     Examples:
-      k3tune lookup --tp 16 --batch 8 --draft 6 --dcp 1 --db k3tune.sqlite --simulate gb300
+      k3tune lookup --tp 16 --batch 8 --draft 6 --dcp 1 --simulate gb300   (after k3tune sweep --simulate gb300)
       k3tune lookup --tp 16 --batch 1 --db tuning_db/h200.sqlite --hardware h200
     """
     specs.validate_deployment_values(tp, batch, dcp, draft)
     sp = specs.load(spec)
+    db = db or settings.load().db or (str(LOCAL_DB) if LOCAL_DB.is_file() else None)  # what `k3tune sweep` wrote
     sel = Selector.load(db, simulated=simulate, measured_on=hardware, spec=sp, model=models.load(config or sp.model_config))
     choices = sel.layer(tp, batch, draft, dcp, context)
     if json:
         print_json({"deployment": dict(tp=tp, batch=batch, draft=draft, dcp=dcp, context=sel.context_bucket(context)),
-                    "table_hash": sel.hash, "warnings": sel.warnings, "ops": [c.as_dict() for c in choices.values()]})
+                    "db": db or "shipped", "table_hash": sel.hash, "warnings": sel.warnings, "ops": [c.as_dict() for c in choices.values()]})
         return
     t = Table("op", "kernel", "knobs", "source", "time us", title=f"tp {tp} batch {batch} draft {draft} dcp {dcp} "
-              f"context {sel.context_bucket(context)} (table {sel.hash})")
+              f"context {sel.context_bucket(context)} (db {db or 'shipped'}, table {sel.hash})")
     for c in choices.values():
         knobs = " ".join(f"{k}={v}" for k, v in c.params) or "-"
         t.add_row(c.op, c.family, escape(knobs), escape(c.source), f"{c.median_us:.2f}" if c.median_us else "-")
