@@ -68,6 +68,8 @@ def test_plan_json(capsys):
     (["lookup", "--tp", "8", "--batch", "4", "--dcp", "16"], "dcp 16 invalid", 2),
     (["plan", "--spec", "/nonexistent.toml"], "sweep spec not found", 2),
     (["db", "show", "/nonexistent.sqlite"], "database not found", 4),
+    (["db", "verify", "/nonexistent.sqlite"], "database not found", 4),  # was a NOT OK verdict "needs db upgrade"
+    (["sweep", "--gpus", "0", "--simulate", "gb300"], "--gpus must be at least 1", 2),  # was run on 1 worker
 ])
 def test_known_errors_are_one_line(argv, msg, code, capsys):
     assert main(argv) == code

@@ -53,6 +53,9 @@ def verify(db: DbArg = None, spec: SpecOption = None, config: ConfigOption = Non
     """
     sp = specs.load(spec)
     plan = plans.build(sp, models.load(config or sp.model_config))
+    _, path = store_db.to_url(db_target(db))
+    if path is not None and not path.exists():  # bad input, not a verdict on a database
+        raise DatabaseError(f"database not found: {path}")
     try:
         v = inspect.verify(store_db.open_db(db_target(db), create=False, check_schema=False), plan)
     except DatabaseError as e:  # unreadable (corrupt, truncated): that is the verdict

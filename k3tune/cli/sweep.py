@@ -60,13 +60,13 @@ def sweep(
     if simulate is not None:
         backend = "simulated"
         hw = hardware.resolve_simulated(simulate, settings.load().hardware)
-        workers = gpus or 1
+        workers = 1 if gpus is None else gpus
     else:
         backend = "gpu"
         visible = _visible_gpus()
         if visible == 0:
             raise HardwareError("no CUDA GPU found: run on a GPU node, or add --simulate gb300")
-        workers = gpus or visible
+        workers = visible if gpus is None else gpus
         if workers > visible:
             raise HardwareError(f"--gpus {workers} asked for, but only {visible} GPU(s) are visible")
     if workers < 1:
