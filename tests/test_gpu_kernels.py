@@ -39,7 +39,7 @@ def _check(name, m, n, k, cfg=None):
 
 @pytest.mark.parametrize("m", MS)
 @pytest.mark.parametrize("n,k", SHAPES)
-@pytest.mark.parametrize("name", ["gemm.cublas", "gemm.smallm", "gemm.splitk_tc", "gemm.wgmma"])
+@pytest.mark.parametrize("name", ["gemm.cublas", "gemm.smallm", "gemm.splitk_tc", "gemm.wgmma", "gemm.stream"])
 def test_gemm_default_numerics(name, m, n, k):
     _check(name, m, n, k)
 
@@ -68,6 +68,32 @@ def test_wgmma_space_numerics(farm, m, n, k):
             assert err < fam.tolerance(p), (cfg, err)
         checked += 1
     assert checked >= 40, checked
+
+
+@pytest.mark.parametrize("m,n,k,every", [(3, 280, 7168, 1), (1, 576, 7168, 1), (8, 1536, 7168, 1),
+                                         (8, 1000, 1536, 1), (7, 576, 7168, 2), (5, 1536, 7168, 2), (2, 7, 1536, 1)])
+def test_stream_space_numerics(m, n, k, every):
+    """Every ``every``-th valid config of the whole-slice streaming kernel (FMA and tensor-core paths) with PDL off
+    and every 5th with it on, on rows past N (280, 1000, 576 and 7 leave a partial last CTA for most row counts),
+    tokens short of the MMA's 8 (3, 5, 7) and a full tile (8); each run twice on the same buffers (the per-chunk
+    mbarriers are initialised by every launch)."""
+    import torch
+
+    fam = family("gemm.stream")
+    p = Problem("kda.o_proj", "gemm", (("M", m), ("N", n), ("K", k)))
+    cfgs = list(fam.configs(p))
+    checked = 0
+    for cfg in [c for c in cfgs if not c.pdl][::every] + [c for c in cfgs if c.pdl][::5]:
+        gen = torch.Generator(device="cuda").manual_seed(2000 + checked)
+        inputs = fam.make_inputs(p, torch.device("cuda"), gen)
+        run = fam.build(p, cfg)
+        ref = fam.reference(p, inputs)
+        for _ in range(2):
+            inputs["out"].fill_(float("nan"))
+            err = relative_error(run(inputs), ref)
+            assert err < fam.tolerance(p), (cfg, err)
+        checked += 1
+    assert checked >= 8, checked
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +180,8 @@ def test_splitk_tc_space_sample_numerics(farm, m, n, k):
                                         ("gemm.splitk_tc", {"split_k": 4, "reduce": 0}),
                                         ("gemm.splitk_tc", {"split_k": 4, "reduce": 1}),
                                         ("gemm.smallm", {"split_k": 1}), ("gemm.smallm", {"split_k": 4}),
-                                        ("gemm.wgmma", {"split_k": 1}), ("gemm.wgmma", {"split_k": 4})])
+                                        ("gemm.wgmma", {"split_k": 1}), ("gemm.wgmma", {"split_k": 4}),
+                                        ("gemm.stream", {"rows": 8, "warps": 4, "mma": 1})])
 def test_pdl_chain(name, knobs):
     """Programmatic dependent launch: y1 = x W1^T, then y2 = y1 W2^T on the same stream, both launched with PDL (the
     second starts while the first finishes and must wait for y1), eagerly and replayed in a CUDA graph; and the
@@ -233,6 +260,17 @@ def test_measurer_runs_the_wgmma_kernel():
     out = GpuBackend().measure(Task(1, p, "gemm.wgmma", params, 0, 5))
     assert out.status == "ok" and out.median_us > 0, out
     assert gemm_wgmma.compiled.cache_info().misses == before + 1
+
+
+def test_measurer_runs_the_stream_kernel():
+    from k3tune.kernels import gemm_stream
+    from k3tune.search.measure_gpu import GpuBackend
+
+    p = Problem("mla.kv_a", "gemm", (("M", 6), ("N", 576), ("K", 7168)))
+    before = gemm_stream.compiled.cache_info().misses
+    out = GpuBackend().measure(Task(1, p, "gemm.stream", {"rows": 5, "warps": 16, "mma": 1, "pdl": 1}, 0, 5))
+    assert out.status == "ok" and out.median_us > 0, out
+    assert gemm_stream.compiled.cache_info().misses == before + 1
 
 
 def test_measurer_times_each_trial_on_independent_allocations():

@@ -133,3 +133,36 @@ def test_wgmma_is_hopper_only():
 
     with pytest.raises(CannotImplement, match="sm_90a"):
         gemm_wgmma.compiled(*WGMMA_SAMPLE[0], "sm_100a")
+
+
+# the whole-slice streaming kernel (one binary per M, K and knob set): every row count at M = 1 and K = 7168,
+# every warp count, the largest row count each M admits, the other K values of the K3 shapes, and PDL
+STREAM_SAMPLE = sorted({(1, r, 8, 7168, 0, 0) for r in (1, 2, 3, 4, 5, 6, 8, 10, 12)}
+                       | {(1, 4, w, 7168, 1, 0) for w in (4, 8, 16)}
+                       | {(m, min(12, 48 // m), 8, 7168, 1, 0) for m in (2, 3, 4)}
+                       | {(8, 6, 4, k, 0, 1) for k in (256, 768, 1536)} | {(3, 16, 4, 1536, 1, 1)}
+                       | {(m, r, 8, 7168, 0, 1) for m, r in [(1, 1), (2, 4), (5, 8), (8, 12), (7, 10), (6, 16)]}
+                       | {(8, 4, w, 7168, 1, 1) for w in (4, 16)})
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_stream_compiles(arch):
+    from k3tune.kernels import gemm_stream
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        for knobs in STREAM_SAMPLE:
+            m, rows, warps, k, pdl, mma = knobs
+            assert gemm_stream.compiled(m, rows, warps, k, pdl, arch, mma) is not None, knobs
+
+
+def test_stream_sample_covers_the_space():
+    from k3tune.kernels.gemm_stream import StreamConfig, StreamGemm
+    from k3tune.plan.problems import Problem
+
+    fam = StreamGemm()
+    p = Problem("mla.q_a", "gemm", (("M", 1), ("N", 1536), ("K", 7168)))
+    space = fam.space(p)
+    sample = set(STREAM_SAMPLE)
+    assert {s[1] for s in sample if s[3] == 7168} >= {r for r in space["rows"] if fam.valid(StreamConfig(r, 8), p)}
+    assert {s[2] for s in sample} == set(space["warps"]) and {s[5] for s in sample} == set(space["mma"])

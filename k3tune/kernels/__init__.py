@@ -13,6 +13,7 @@ from k3tune.kernels.cpu_double import CpuGemm
 from k3tune.kernels.gemm_cublas import CublasGemm
 from k3tune.kernels.gemm_smallm import SmallMGemm
 from k3tune.kernels.gemm_splitk_tc import SplitKTensorCoreGemm
+from k3tune.kernels.gemm_stream import StreamGemm
 from k3tune.kernels.gemm_wgmma import WgmmaGemm
 from k3tune.kernels.kda_decode import KdaFused, KdaTorch
 from k3tune.kernels.mla_decode import MlaSplitKv, MlaTorch
@@ -33,7 +34,7 @@ FAMILIES: dict[str, KernelFamily] = {
 # probed by name (``family``) but offered to a sweep and keyed only where K3TUNE_EXTRA_FAMILIES names it
 # (comma-separated; the re-sweep that ships it), until it moves to FAMILIES with that database. (gemm.wgmma was
 # staged so until its dense re-sweep shipped, session 12.)
-STAGED: dict[str, KernelFamily] = {}
+STAGED: dict[str, KernelFamily] = {f.name: f for f in [StreamGemm()]}
 
 
 _EXTRA_ERROR: list[str] = []  # a bad K3TUNE_EXTRA_FAMILIES, raised on first use (an import-time raise is a traceback)
