@@ -105,10 +105,11 @@ class StreamGemm(KernelFamily):
     def seeds(self, problem: Problem) -> list[StreamConfig]:
         """The fewest rows per CTA whose grid runs in one wave (every CTA resident, so all of W is requested at
         once) and the next row count up, and the most rows that still give every SM a CTA (one CTA per SM, the
-        least x traffic), with 8 warps (4 on a short K) and PDL."""
-        n = problem["N"]
-        warps = 8 if problem["K"] // BK >= 8 else MIN_WARPS
-        mma = int(problem["M"] > 2)
+        least x traffic); FMA at M = 1, the MMA beyond; 16 warps where K has the chunks for them, and PDL. (The
+        session-13 probe's best: 4-12 rows, 16 warps.)"""
+        n, chunks = problem["N"], problem["K"] // BK
+        warps = 16 if chunks >= 16 else 8 if chunks >= 8 else MIN_WARPS
+        mma = int(problem["M"] > 1)
         fits = [r for r in self.space(problem)["rows"] if self.valid(StreamConfig(r, warps, mma, 1), problem)]
         if not fits:
             return []
@@ -117,7 +118,7 @@ class StreamGemm(KernelFamily):
         best = one_wave[0] if one_wave else fits[-1]
         i = fits.index(best)
         per_sm = [r for r in fits if math.ceil(n / r) >= SMS]
-        picks = [best] + fits[i + 1:i + 2] + per_sm[-1:]
+        picks = [best] + fits[i + 1:i + 2] + per_sm[-1:] + ([r for r in (8, 12) if r in fits] if mma else [])
         return [StreamConfig(r, warps, mma, 1) for r in dict.fromkeys(picks)]
 
     def work(self, problem: Problem, cfg: StreamConfig) -> Work:
