@@ -8,7 +8,8 @@
 #   TESTS="splitk or wgmma" BASE=base.tar.xz bash bench/resweep_compare.sh [N]   (TESTS: a pytest -k expression)
 # A staged family (k3tune/kernels/__init__.py STAGED) joins the sweep and the new DB's bench through
 # K3TUNE_EXTRA_FAMILIES; then BASE=self benches the shipped DB on this same tree with the variable unset (the code the
-# shipped winners were tuned with). With N=1 the two benches run one after the other on GPU 0.
+# shipped winners were tuned with). With N=1 the two benches run one after the other on GPU 0. START_DB=file.sqlite.xz
+# resumes a sweep that a time limit cut short (its $OUT/sweep.sqlite.xz, carried as an untracked file).
 set -uo pipefail
 source .carry/cutedsl/unpack.sh || exit 1
 N=${1:-2}
@@ -17,7 +18,11 @@ if [ -n "${TESTS:-}" ]; then
   timeout ${TESTS_S:-150} python3 -m pytest -q -m gpu tests/test_gpu_kernels.py -k "$TESTS" > $OUT/gpu-tests.log 2>&1
   echo "gpu tests rc=$?"; tail -3 $OUT/gpu-tests.log
 fi
-cp tuning_db/h200.sqlite /tmp/sweep.sqlite
+if [ -n "${START_DB:-}" ]; then  # resume a sweep cut short: its DB (xz) with every committed trial
+  xz -dc "$START_DB" > /tmp/sweep.sqlite || exit 1
+else
+  cp tuning_db/h200.sqlite /tmp/sweep.sqlite
+fi
 K3TUNE_KERNEL_CACHE=$(mktemp -d) K3TUNE_WORKER_KERNEL_CACHE=1 timeout ${SWEEP_S:-240} python3 bench/device_sweep.py \
   --spec ${SPEC:-configs/sweep_h200_dense.toml} --db /tmp/sweep.sqlite --gpus $N --compile-procs ${COMPILE_PROCS:-29} \
   > $OUT/sweep.log 2>&1

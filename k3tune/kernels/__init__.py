@@ -25,7 +25,7 @@ __all__ = ["FAMILIES", "STAGED", "KernelConfig", "KernelFamily", "Work", "count_
 
 FAMILIES: dict[str, KernelFamily] = {
     f.name: f
-    for f in [CublasGemm(), SmallMGemm(), SplitKTensorCoreGemm(), WgmmaGemm(), KdaTorch(), KdaFused(), MlaTorch(),
+    for f in [CublasGemm(), SmallMGemm(), SplitKTensorCoreGemm(), WgmmaGemm(), StreamGemm(), KdaTorch(), KdaFused(), MlaTorch(),
               MlaSplitKv(), MoeStock(), MoeOverlap(), CpuGemm(), TpAllReduce()]
 }
 
@@ -33,8 +33,8 @@ FAMILIES: dict[str, KernelFamily] = {
 # to FAMILIES re-keys every winner of the ops it could serve (op_digest), so a staged family is built, tested and
 # probed by name (``family``) but offered to a sweep and keyed only where K3TUNE_EXTRA_FAMILIES names it
 # (comma-separated; the re-sweep that ships it), until it moves to FAMILIES with that database. (gemm.wgmma was
-# staged so until its dense re-sweep shipped, session 12.)
-STAGED: dict[str, KernelFamily] = {f.name: f for f in [StreamGemm()]}
+# staged so until its dense re-sweep shipped, session 12; gemm.stream until session 13's.)
+STAGED: dict[str, KernelFamily] = {}
 
 
 _EXTRA_ERROR: list[str] = []  # a bad K3TUNE_EXTRA_FAMILIES, raised on first use (an import-time raise is a traceback)
