@@ -246,3 +246,30 @@ def test_candidates_wanted_now_overtake_the_known_backlog(cache, monkeypatch):
         assert not farm.submit(p, fam, params), "once"
         assert farm.wait() == (n, 0) and not farm.backlog
     assert last_key == (p.key, fam, params_key(params))
+
+
+def test_tma_kernels_round_trip_through_the_cache(cache, monkeypatch):
+    """The TMA GEMMs (gemm.stream, gemm.wgmma) dump and load like the others (on the CPU: that the loaded kernel
+    runs correctly is tests/test_gpu_kernels.py::test_tma_kernels_loaded_from_the_disk_cache, the check before
+    the compile farm may build them for the workers)."""
+    import cutlass.cute as cute
+
+    from k3tune.kernels import gemm_stream, gemm_wgmma
+    from k3tune.kernels.compile_cache import install
+
+    monkeypatch.setattr(gemm_stream, "compiled", gemm_stream.compiled)  # restored after the test
+    monkeypatch.setattr(gemm_wgmma, "compiled", gemm_wgmma.compiled)
+    install({f"k3tune.kernels.{m}": (f"k3tune.kernels.{m}", "k3tune.kernels.gemm_common") for m in ("gemm_stream", "gemm_wgmma")})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        first = (gemm_stream.compiled(3, 6, 8, 7168, 1, "sm_90a", 1), gemm_wgmma.compiled(1, 16, 2, 64, 4, 1, "sm_90a"))
+    assert len(list(cache.glob("gemm_stream-*.o"))) == 1 and len(list(cache.glob("gemm_wgmma-*.o"))) == 1
+    gemm_stream.compiled.cache_clear()
+    gemm_wgmma.compiled.cache_clear()
+
+    def no_compile(*a, **k):
+        raise AssertionError("compiled again instead of loaded from the cache")
+
+    monkeypatch.setattr(cute, "compile", no_compile)
+    loaded = (gemm_stream.compiled(3, 6, 8, 7168, 1, "sm_90a", 1), gemm_wgmma.compiled(1, 16, 2, 64, 4, 1, "sm_90a"))
+    assert all(callable(f) for f in loaded) and all(a is not b for a, b in zip(first, loaded))

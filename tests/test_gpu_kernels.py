@@ -96,6 +96,66 @@ def test_stream_space_numerics(m, n, k, every):
     assert checked >= 8, checked
 
 
+_TMA_CONFIGS = [("gemm.stream", (1, 576, 7168), {"rows": 10, "warps": 16, "mma": 0, "pdl": 1}),
+                ("gemm.stream", (5, 1536, 7168), {"rows": 12, "warps": 16, "mma": 1, "pdl": 1}),
+                ("gemm.wgmma", (40, 1000, 1536), {"warpgroups": 2, "tile_m": 64, "split_k": 2, "bk": 64, "stages": 4,
+                                                  "pdl": 1}),
+                ("gemm.wgmma", (3, 7168, 768), {"warpgroups": 1, "tile_m": 8, "split_k": 1, "bk": 128, "stages": 6,
+                                                "pdl": 0})]
+_BUILD_INTO_CACHE = """
+import json, sys, warnings
+warnings.simplefilter("ignore", DeprecationWarning)
+from k3tune.kernels import compile_cache, family
+from k3tune.plan.problems import Problem
+compile_cache.install()
+for name, (m, n, k), params in json.loads(sys.argv[1]):
+    p = Problem("kda.o_proj", "gemm", (("M", m), ("N", n), ("K", k)))
+    fam = family(name)
+    fam.build(p, fam.config_from_params(p, params))
+print(len(compile_cache.COMPILED))
+"""
+
+
+def test_tma_kernels_loaded_from_the_disk_cache(tmp_path, monkeypatch):
+    """The check before the compile farm may build the TMA GEMMs (gemm.stream, gemm.wgmma) for the sweep workers:
+    kernels compiled in another process and loaded from the disk cache (compiling here is made to fail) give the
+    reference's results, twice on the same buffers with poisoned outputs."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import cutlass.cute as cute
+    import torch
+
+    from k3tune.kernels import compile_cache, gemm_stream, gemm_wgmma
+
+    monkeypatch.setenv("K3TUNE_KERNEL_CACHE", str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", _BUILD_INTO_CACHE, json.dumps(_TMA_CONFIGS)], check=True,
+                         capture_output=True, text=True, env=os.environ.copy())
+    assert int(out.stdout.split()[-1]) == len(_TMA_CONFIGS)  # compiled there, into the cache
+    monkeypatch.setattr(gemm_stream, "compiled", gemm_stream.compiled.__wrapped__)  # a fresh in-process cache
+    monkeypatch.setattr(gemm_wgmma, "compiled", gemm_wgmma.compiled.__wrapped__)
+    compile_cache.install({f"k3tune.kernels.{m}": (f"k3tune.kernels.{m}", "k3tune.kernels.gemm_common")
+                           for m in ("gemm_stream", "gemm_wgmma")})
+
+    def no_compile(*a, **k):
+        raise AssertionError("compiled again instead of loaded from the cache")
+
+    monkeypatch.setattr(cute, "compile", no_compile)
+    for name, (m, n, k), params in _TMA_CONFIGS:
+        fam = family(name)
+        p = Problem("kda.o_proj", "gemm", (("M", m), ("N", n), ("K", k)))
+        inputs = fam.make_inputs(p, torch.device("cuda"), torch.Generator(device="cuda").manual_seed(m + n))
+        run = fam.build(p, fam.config_from_params(p, params))
+        ref = fam.reference(p, inputs)
+        for _ in range(2):
+            inputs["out"].fill_(float("nan"))
+            out = run(inputs)
+            torch.cuda.synchronize()
+            assert relative_error(out, ref) < fam.tolerance(p), (name, params)
+
+
 @pytest.fixture(scope="module")
 def farm():
     """The sweep's compile farm on every core but two, into a private disk cache this process loads from: the

@@ -63,6 +63,12 @@ class Decision:
     trials: int
 
 
+def within_safe_margin(safe_us: float, win_us: float, margin_pct: float) -> bool:
+    """Whether a kernel's win over the safe baseline is too small to count (both remeasured in the final round): the
+    baseline is then served (bench/redecide_db.py applies the same rule to a stored sweep)."""
+    return safe_us <= win_us * (1 + margin_pct / 100)
+
+
 def known_candidates(problem: Problem, families: list[KernelFamily], settings: SearchSettings,
                      warm: list[tuple] = ()) -> list[Candidate]:
     """What a search measures before TPE, in order, known before anything is measured: every family's default,
@@ -387,8 +393,14 @@ class ProblemSearch:
                                      r.candidate.family, r.candidate.key))
         win = ties[0]
         safe = self.families[0]
-        d = self.results.get((safe.name, params_key(safe.default_config(self.problem).params()), 1)) or \
-            self.results.get((safe.name, params_key(safe.default_config(self.problem).params()), 0))
+        safe_key = params_key(safe.default_config(self.problem).params())
+        d = self.results.get((safe.name, safe_key, 1)) or self.results.get((safe.name, safe_key, 0))
+        base = self.results.get((safe.name, safe_key, 1))  # the baseline, remeasured beside the finalists
+        if (win.candidate.family != safe.name and base is not None and base.status == "ok"
+                and within_safe_margin(base.median_us, win.median_us, self.settings.safe_margin_pct)):
+            # a win within the margin is not one: serve the safe baseline, the faster kernels its ties
+            ties = [base] + [r for r in ties if r is not base]
+            win = base
         return Decision(win.candidate.family, win.candidate.params, win.median_us, win.spread_us,
                         [{"family": r.candidate.family, "params": r.candidate.params, "median_us": r.median_us}
                          for r in ties[1:]],
