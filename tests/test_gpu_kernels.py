@@ -37,6 +37,26 @@ def _check(name, m, n, k, cfg=None):
     return err
 
 
+def _twice(fam, p, cfg, seed: int, poison=("out",)) -> dict:
+    """Build ``cfg``, run it twice on the same buffers with ``poison`` filled with NaN before each run (so state
+    left by a launch, such as mbarrier phases, counters or a workspace, cannot pass for a result) and check both
+    against the fp32 reference; returns the inputs."""
+    import torch
+
+    inputs = fam.make_inputs(p, torch.device("cuda"), torch.Generator(device="cuda").manual_seed(seed))
+    run = fam.build(p, cfg)
+    ref = fam.reference(p, inputs)
+    for _ in range(2):
+        for name in poison:
+            inputs[name].fill_(float("nan"))
+        out = run(inputs)
+        torch.cuda.synchronize()
+        assert out.data_ptr() == inputs["out"].data_ptr()  # this kernel wrote the poisoned buffer
+        err = relative_error(out, ref)
+        assert err < fam.tolerance(p), (fam.name, cfg, err)
+    return inputs
+
+
 @pytest.mark.parametrize("m", MS)
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("name", ["gemm.cublas", "gemm.smallm", "gemm.splitk_tc", "gemm.wgmma", "gemm.stream"])
@@ -49,23 +69,13 @@ def test_wgmma_space_numerics(farm, m, n, k):
     """Every valid config of the wgmma kernel with PDL off, and every 4th with it on,
     on rows past N (280, 1000 are no multiples of 64), tokens past M (3, 17, 257) and every split; each run twice
     on the same buffers (the mbarrier phases and the workspace must not carry over from one launch to the next)."""
-    import torch
-
     fam = family("gemm.wgmma")
     p = Problem("kda.o_proj", "gemm", (("M", m), ("N", n), ("K", k)))
     cfgs = list(fam.configs(p))
     on = [c for c in cfgs if c.pdl]
     checked = 0
     for cfg in _built_first(farm, fam.name, p, [c for c in cfgs if not c.pdl] + on[::4]):
-        gen = torch.Generator(device="cuda").manual_seed(1000 + checked)
-        inputs = fam.make_inputs(p, torch.device("cuda"), gen)
-        run = fam.build(p, cfg)
-        ref = fam.reference(p, inputs)
-        for _ in range(2):
-            inputs["out"].fill_(float("nan"))
-            inputs["ws"].fill_(float("nan"))
-            err = relative_error(run(inputs), ref)
-            assert err < fam.tolerance(p), (cfg, err)
+        _twice(fam, p, cfg, 1000 + checked, poison=("out", "ws"))
         checked += 1
     assert checked >= 40, checked
 
@@ -77,21 +87,12 @@ def test_stream_space_numerics(m, n, k, every):
     and every 5th with it on, on rows past N (280, 1000, 576 and 7 leave a partial last CTA for most row counts),
     tokens short of the MMA's 8 (3, 5, 7) and a full tile (8); each run twice on the same buffers (the per-chunk
     mbarriers are initialised by every launch)."""
-    import torch
-
     fam = family("gemm.stream")
     p = Problem("kda.o_proj", "gemm", (("M", m), ("N", n), ("K", k)))
     cfgs = list(fam.configs(p))
     checked = 0
     for cfg in [c for c in cfgs if not c.pdl][::every] + [c for c in cfgs if c.pdl][::5]:
-        gen = torch.Generator(device="cuda").manual_seed(2000 + checked)
-        inputs = fam.make_inputs(p, torch.device("cuda"), gen)
-        run = fam.build(p, cfg)
-        ref = fam.reference(p, inputs)
-        for _ in range(2):
-            inputs["out"].fill_(float("nan"))
-            err = relative_error(run(inputs), ref)
-            assert err < fam.tolerance(p), (cfg, err)
+        _twice(fam, p, cfg, 2000 + checked)
         checked += 1
     assert checked >= 8, checked
 
@@ -126,8 +127,6 @@ def test_tma_kernels_loaded_from_the_disk_cache(tmp_path, monkeypatch):
     import sys
 
     import cutlass.cute as cute
-    import torch
-
     from k3tune.kernels import compile_cache, gemm_stream, gemm_wgmma
 
     monkeypatch.setenv("K3TUNE_KERNEL_CACHE", str(tmp_path))
@@ -146,14 +145,7 @@ def test_tma_kernels_loaded_from_the_disk_cache(tmp_path, monkeypatch):
     for name, (m, n, k), params in _TMA_CONFIGS:
         fam = family(name)
         p = Problem("kda.o_proj", "gemm", (("M", m), ("N", n), ("K", k)))
-        inputs = fam.make_inputs(p, torch.device("cuda"), torch.Generator(device="cuda").manual_seed(m + n))
-        run = fam.build(p, fam.config_from_params(p, params))
-        ref = fam.reference(p, inputs)
-        for _ in range(2):
-            inputs["out"].fill_(float("nan"))
-            out = run(inputs)
-            torch.cuda.synchronize()
-            assert relative_error(out, ref) < fam.tolerance(p), (name, params)
+        _twice(fam, p, fam.config_from_params(p, params), m + n)
 
 
 @pytest.fixture(scope="module")
@@ -212,8 +204,6 @@ TC_SAMPLE = sorted({(1, wn, wk, tm, s, 128 if wk == 4 else 64, 3, rd, rd)
 
 @pytest.mark.parametrize("m,n,k", [(3, 280, 7168), (17, 7168, 768), (64, 1000, 1536)])
 def test_splitk_tc_space_sample_numerics(farm, m, n, k):
-    import torch
-
     from k3tune.kernels.gemm_splitk_tc import SplitKConfig
 
     fam = family("gemm.splitk_tc")
@@ -223,14 +213,7 @@ def test_splitk_tc_space_sample_numerics(farm, m, n, k):
     checked = 0
     for cfg in _built_first(farm, fam.name, p, [c for c in cfgs
                                                  if c.tile_m in fam.space(p)["tile_m"] and fam.valid(c, p)]):
-        gen = torch.Generator(device="cuda").manual_seed(checked)
-        inputs = fam.make_inputs(p, torch.device("cuda"), gen)
-        run = fam.build(p, cfg)
-        ref = fam.reference(p, inputs)
-        for _ in range(2):
-            inputs["out"].fill_(float("nan"))
-            err = relative_error(run(inputs), ref)
-            assert err < fam.tolerance(p), (cfg, err)
+        inputs = _twice(fam, p, cfg, checked)
         assert int(inputs["counters"].abs().sum()) == 0, cfg  # the last CTA of every tile reset its counter
         checked += 1
     assert checked >= 20
