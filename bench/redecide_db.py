@@ -32,6 +32,9 @@ def redecide(path: str, margin_pct: float) -> list[str]:
     con = sqlite3.connect(path)
     changed = []
     try:
+        if con.execute("SELECT COUNT(*) FROM trials").fetchone()[0] == 0:
+            raise ValueError(f"{path} holds no trials (an exported database keeps winners only): re-decide the "
+                             "sweep's database, then export it")
         with con:
             rows = con.execute("SELECT w.id, w.hardware_id, w.problem_id, w.backend, w.family, w.params, w.median_us,"
                                " w.ties, p.key, p.op, p.kind, p.dims FROM winners w JOIN problems p"
@@ -67,7 +70,14 @@ def main() -> None:
     args = ap.parse_args()
     if not Path(args.db).is_file():
         sys.exit(f"error: database not found: {args.db}")
-    changed = redecide(args.db, args.margin)
+    if not 0 <= args.margin <= 50:
+        sys.exit(f"error: --margin must be within 0..50 (percent), not {args.margin:g}")
+    try:
+        changed = redecide(args.db, args.margin)
+    except sqlite3.DatabaseError as e:
+        sys.exit(f"error: {args.db} is not a k3tune SQLite database ({e}); nothing was changed")
+    except ValueError as e:
+        sys.exit(f"error: {e}")
     for line in changed:
         print(line)
     print(f"{len(changed)} winners replaced by their safe baseline (margin {args.margin:g}%)")

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 import time
 
 import pytest
@@ -785,3 +786,21 @@ def test_redecide_db_applies_the_safe_margin_to_a_stored_sweep(tmp_path):
     for k in set(before) - set(flipped):
         assert after[k] == before[k]
     assert redecide_db.redecide(str(path), 50) == []
+
+
+def test_redecide_db_refuses_bad_input_in_one_line(tmp_path):
+    """A missing file, a file that is not a database, a compact (exported) database without trials and a margin out
+    of range: each a one-line error and a non-zero exit, nothing written."""
+    root = Path(__file__).resolve().parent.parent
+    junk = tmp_path / "junk.sqlite"
+    junk.write_text("not a database")
+    compact = tmp_path / "compact.sqlite"
+    compact.write_bytes((root / "tuning_db" / "h200.sqlite").read_bytes())
+    cases = [([str(tmp_path / "missing.sqlite")], "database not found"), ([str(junk)], "not a k3tune SQLite"),
+             ([str(compact)], "holds no trials"), ([str(junk), "--margin", "80"], "--margin must be within")]
+    before = compact.read_bytes()
+    for args, message in cases:
+        out = subprocess.run([sys.executable, str(root / "bench" / "redecide_db.py"), *args], capture_output=True,
+                             text=True)
+        assert out.returncode != 0 and message in out.stderr and len(out.stderr.strip().splitlines()) == 1, out
+    assert compact.read_bytes() == before
