@@ -166,3 +166,19 @@ def test_stream_sample_covers_the_space():
     sample = set(STREAM_SAMPLE)
     assert {s[1] for s in sample if s[3] == 7168} >= {r for r in space["rows"] if fam.valid(StreamConfig(r, 8), p)}
     assert {s[2] for s in sample} == set(space["warps"]) and {s[5] for s in sample} == set(space["mma"])
+
+
+# the cluster-summed split-K kernel (staged): every cluster size, warp layout and token tile corner, with and without PDL
+CLUSTER_SAMPLE = sorted({(1, wn, wk, tm, s, 128 if wk == 4 else 64, 3, s % 4 == 0)
+                         for wn, wk, tm, s in itertools.product((1, 4), (1, 4), (8, 64), (2, 4, 8))}
+                        | {(2, 2, 2, 32, 4, 64, 4, 1), (4, 1, 1, 16, 8, 32, 2, 0)})
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_splitk_cluster_compiles(arch):
+    from k3tune.kernels import gemm_splitk_cluster
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        for knobs in CLUSTER_SAMPLE:
+            assert gemm_splitk_cluster.compiled(*knobs[:7], int(knobs[7]), arch) is not None, knobs

@@ -12,6 +12,7 @@ from k3tune.kernels.base import BACKENDS, KernelConfig, KernelFamily, Work, coun
 from k3tune.kernels.cpu_double import CpuGemm
 from k3tune.kernels.gemm_cublas import CublasGemm
 from k3tune.kernels.gemm_smallm import SmallMGemm
+from k3tune.kernels.gemm_splitk_cluster import SplitKClusterGemm
 from k3tune.kernels.gemm_splitk_tc import SplitKTensorCoreGemm
 from k3tune.kernels.gemm_stream import StreamGemm
 from k3tune.kernels.gemm_wgmma import WgmmaGemm
@@ -34,7 +35,7 @@ FAMILIES: dict[str, KernelFamily] = {
 # probed by name (``family``) but offered to a sweep and keyed only where K3TUNE_EXTRA_FAMILIES names it
 # (comma-separated; the re-sweep that ships it), until it moves to FAMILIES with that database. (gemm.wgmma was
 # staged so until its dense re-sweep shipped, session 12; gemm.stream until session 13's.)
-STAGED: dict[str, KernelFamily] = {}
+STAGED: dict[str, KernelFamily] = {f.name: f for f in [SplitKClusterGemm()]}
 
 
 _EXTRA_ERROR: list[str] = []  # a bad K3TUNE_EXTRA_FAMILIES, raised on first use (an import-time raise is a traceback)
