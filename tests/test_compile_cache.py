@@ -255,11 +255,11 @@ def test_tma_kernels_round_trip_through_the_cache(cache, monkeypatch):
     import cutlass.cute as cute
 
     from k3tune.kernels import gemm_stream, gemm_wgmma
-    from k3tune.kernels.compile_cache import install
+    from k3tune.kernels.compile_cache import KERNEL_MODULES, install
 
     monkeypatch.setattr(gemm_stream, "compiled", gemm_stream.compiled)  # restored after the test
     monkeypatch.setattr(gemm_wgmma, "compiled", gemm_wgmma.compiled)
-    install({f"k3tune.kernels.{m}": (f"k3tune.kernels.{m}", "k3tune.kernels.gemm_common") for m in ("gemm_stream", "gemm_wgmma")})
+    install({m: KERNEL_MODULES[m] for m in ("k3tune.kernels.gemm_stream", "k3tune.kernels.gemm_wgmma")})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         first = (gemm_stream.compiled(3, 6, 8, 7168, 1, "sm_90a", 1), gemm_wgmma.compiled(1, 16, 2, 64, 4, 1, "sm_90a"))

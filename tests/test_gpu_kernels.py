@@ -136,8 +136,8 @@ def test_tma_kernels_loaded_from_the_disk_cache(tmp_path, monkeypatch):
     assert int(out.stdout.split()[-1]) == len(_TMA_CONFIGS)  # compiled there, into the cache
     monkeypatch.setattr(gemm_stream, "compiled", gemm_stream.compiled.__wrapped__)  # a fresh in-process cache
     monkeypatch.setattr(gemm_wgmma, "compiled", gemm_wgmma.compiled.__wrapped__)
-    compile_cache.install({f"k3tune.kernels.{m}": (f"k3tune.kernels.{m}", "k3tune.kernels.gemm_common")
-                           for m in ("gemm_stream", "gemm_wgmma")})
+    compile_cache.install({m: compile_cache.KERNEL_MODULES[m]
+                           for m in ("k3tune.kernels.gemm_stream", "k3tune.kernels.gemm_wgmma")})
 
     def no_compile(*a, **k):
         raise AssertionError("compiled again instead of loaded from the cache")
@@ -288,52 +288,26 @@ def test_pdl_chain(name, knobs):
         assert relative_error(b["out"], ref2) < fam.tolerance(p2), replay
 
 
-def test_measurer_runs_the_requested_kernel():
-    from k3tune.kernels import gemm_smallm
+@pytest.mark.parametrize("module,problem,name,params", [
+    ("gemm_smallm", Problem("kda.o_proj", "gemm", (("M", 5), ("N", 7168), ("K", 1536))), "gemm.smallm",
+     {"rows_per_cta": 2, "warps": 8, "split_k": 2, "unroll": 2, "pdl": 1}),
+    ("gemm_splitk_tc", Problem("moe.router_latent", "gemm", (("M", 24), ("N", 560), ("K", 7168))), "gemm.splitk_tc",
+     {"m_tiles": 2, "warps_n": 1, "warps_k": 4, "tile_m": 32, "split_k": 2, "bk": 128, "stages": 4, "reduce": 1,
+      "pdl": 0}),  # not in TC_SAMPLE
+    ("gemm_wgmma", Problem("kda.o_proj", "gemm", (("M", 40), ("N", 7168), ("K", 1536))), "gemm.wgmma",
+     {"warpgroups": 2, "tile_m": 64, "split_k": 2, "bk": 64, "stages": 6, "pdl": 1}),
+    ("gemm_stream", Problem("mla.kv_a", "gemm", (("M", 6), ("N", 576), ("K", 7168))), "gemm.stream",
+     {"rows": 5, "warps": 16, "mma": 1, "pdl": 1})])
+def test_measurer_runs_the_requested_kernel(module, problem, name, params):
+    import importlib
+
     from k3tune.search.measure_gpu import GpuBackend
 
-    p = Problem("kda.o_proj", "gemm", (("M", 5), ("N", 7168), ("K", 1536)))
-    before = gemm_smallm.compiled.cache_info().misses
-    out = GpuBackend().measure(Task(1, p, "gemm.smallm", {"rows_per_cta": 2, "warps": 8, "split_k": 2, "unroll": 2,
-                                                         "pdl": 1}, 0, 5))
+    mod = importlib.import_module(f"k3tune.kernels.{module}")
+    before = mod.compiled.cache_info().misses
+    out = GpuBackend().measure(Task(1, problem, name, params, 0, 5))
     assert out.status == "ok" and out.median_us > 0, out
-    assert gemm_smallm.compiled.cache_info().misses == before + 1  # compiled (and so launched) this config
-
-
-def test_measurer_runs_the_tensor_core_kernel():
-    from k3tune.kernels import gemm_splitk_tc
-    from k3tune.search.measure_gpu import GpuBackend
-
-    p = Problem("moe.router_latent", "gemm", (("M", 24), ("N", 560), ("K", 7168)))
-    before = gemm_splitk_tc.compiled.cache_info().misses
-    params = {"m_tiles": 2, "warps_n": 1, "warps_k": 4, "tile_m": 32, "split_k": 2, "bk": 128, "stages": 4,
-              "reduce": 1, "pdl": 0}  # not in TC_SAMPLE
-    out = GpuBackend().measure(Task(1, p, "gemm.splitk_tc", params, 0, 5))
-    assert out.status == "ok" and out.median_us > 0, out
-    assert gemm_splitk_tc.compiled.cache_info().misses == before + 1
-
-
-def test_measurer_runs_the_wgmma_kernel():
-    from k3tune.kernels import gemm_wgmma
-    from k3tune.search.measure_gpu import GpuBackend
-
-    p = Problem("kda.o_proj", "gemm", (("M", 40), ("N", 7168), ("K", 1536)))
-    before = gemm_wgmma.compiled.cache_info().misses
-    params = {"warpgroups": 2, "tile_m": 64, "split_k": 2, "bk": 64, "stages": 6, "pdl": 1}
-    out = GpuBackend().measure(Task(1, p, "gemm.wgmma", params, 0, 5))
-    assert out.status == "ok" and out.median_us > 0, out
-    assert gemm_wgmma.compiled.cache_info().misses == before + 1
-
-
-def test_measurer_runs_the_stream_kernel():
-    from k3tune.kernels import gemm_stream
-    from k3tune.search.measure_gpu import GpuBackend
-
-    p = Problem("mla.kv_a", "gemm", (("M", 6), ("N", 576), ("K", 7168)))
-    before = gemm_stream.compiled.cache_info().misses
-    out = GpuBackend().measure(Task(1, p, "gemm.stream", {"rows": 5, "warps": 16, "mma": 1, "pdl": 1}, 0, 5))
-    assert out.status == "ok" and out.median_us > 0, out
-    assert gemm_stream.compiled.cache_info().misses == before + 1
+    assert mod.compiled.cache_info().misses == before + 1  # compiled (and so launched) this config
 
 
 def test_measurer_times_each_trial_on_independent_allocations():

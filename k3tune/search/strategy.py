@@ -394,8 +394,8 @@ class ProblemSearch:
         win = ties[0]
         safe = self.families[0]
         safe_key = params_key(safe.default_config(self.problem).params())
-        d = self.results.get((safe.name, safe_key, 1)) or self.results.get((safe.name, safe_key, 0))
         base = self.results.get((safe.name, safe_key, 1))  # the baseline, remeasured beside the finalists
+        d = base or self.results.get((safe.name, safe_key, 0))
         if (win.candidate.family != safe.name and base is not None and base.status == "ok"
                 and within_safe_margin(base.median_us, win.median_us, self.settings.safe_margin_pct)):
             # a win within the margin is not one: serve the safe baseline, the faster kernels its ties
