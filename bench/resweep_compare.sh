@@ -9,14 +9,16 @@
 # A staged family (k3tune/kernels/__init__.py STAGED) joins the sweep and the new DB's bench through
 # K3TUNE_EXTRA_FAMILIES; then BASE=self benches the shipped DB on this same tree with the variable unset (the code the
 # shipped winners were tuned with). With N=1 the two benches run one after the other on GPU 0. START_DB=file.sqlite.xz
-# resumes a sweep that a time limit cut short (its $OUT/sweep.sqlite.xz, carried as an untracked file).
+# resumes a sweep that a time limit cut short (its $OUT/sweep.sqlite.xz, carried as an untracked file); BENCH=0 stops
+# after the sweep's export (the resuming call benches). Failing GPU tests stop the call before the sweep.
 set -uo pipefail
 source .carry/cutedsl/unpack.sh || exit 1
 N=${1:-2}
 nvidia-smi --query-gpu=index,name,clocks.sm,temperature.gpu --format=csv
 if [ -n "${TESTS:-}" ]; then
   timeout ${TESTS_S:-150} python3 -m pytest -q -m gpu tests/test_gpu_kernels.py -k "$TESTS" > $OUT/gpu-tests.log 2>&1
-  echo "gpu tests rc=$?"; tail -3 $OUT/gpu-tests.log
+  rc=$?; echo "gpu tests rc=$rc"; tail -3 $OUT/gpu-tests.log
+  [ $rc = 0 ] || exit 1  # no sweep over kernels that fail their tests
 fi
 if [ -n "${START_DB:-}" ]; then  # resume a sweep cut short: its DB (xz) with every committed trial
   xz -dc "$START_DB" > /tmp/sweep.sqlite || exit 1
@@ -32,6 +34,7 @@ xz -T0 -c /tmp/sweep.sqlite > $OUT/sweep.sqlite.xz  # every trial, for the noteb
 python3 -c "from k3tune.store.db import Database; from k3tune.store.inspect import is_current; \
 from k3tune.store.transfer import export; \
 print(export(Database('/tmp/sweep.sqlite', create=False), '$OUT/new.sqlite', hardware='H200', keep=is_current))" || exit 1
+[ "${BENCH:-1}" = 0 ] && exit 0  # sweep only (a resume call benches)
 GEMM_ARGS=${GEMM_ARGS:---samples 9 --rounds 3}
 CUDA_VISIBLE_DEVICES=0 timeout ${BENCH_S:-200} python3 bench/gemm.py --db $OUT/new.sqlite $GEMM_ARGS \
   --out $OUT/gemm-new.json > $OUT/gemm-new.log 2>&1 &

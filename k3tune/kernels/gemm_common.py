@@ -3,6 +3,7 @@ y[M,N] = x[M,K] @ W[N,K]^T. (No ``from __future__ import annotations``: the DSL 
 
 import functools
 
+from k3tune.kernels.base import KernelFamily
 from k3tune.plan.problems import Problem
 
 BF16 = 2
@@ -30,6 +31,36 @@ def make_inputs(problem: Problem, device, generator) -> dict:
 
 def reference(problem: Problem, inputs: dict):
     return inputs["x"].float() @ inputs["w"].float().t()
+
+
+class DenseGemm(KernelFamily):
+    """What every dense decode GEMM family shares: its inputs (x, the weight ``w`` that rotates past L2, and for the
+    CuTe kernels the bf16 output they write, an fp32 split-K workspace of ``workspace_splits`` slices and a per-tile
+    arrival counter where ``counters`` is set) and the fp32 reference."""
+
+    kinds = frozenset({"gemm"})
+    writes_out = True  # the kernel writes into inputs["out"] (cuBLAS returns a fresh tensor)
+    workspace_splits = 0  # fp32 partials ws[split, M, N]
+    counters = False  # one int32 arrival counter per (16-row tile, 8-token tile), reset by the tile's last CTA
+
+    def make_inputs(self, problem: Problem, device, generator) -> dict:
+        import torch
+
+        inputs = make_inputs(problem, device, generator)
+        m, n = problem["M"], problem["N"]
+        if self.writes_out:
+            inputs["out"] = torch.empty(m, n, dtype=torch.bfloat16, device=device)
+        if self.workspace_splits:
+            inputs["ws"] = torch.empty(self.workspace_splits, m, n, dtype=torch.float32, device=device)
+        if self.counters:
+            inputs["counters"] = torch.zeros(n // 16 + 1, m // 8 + 1, dtype=torch.int32, device=device)
+        return inputs
+
+    def weight_names(self, problem: Problem) -> tuple[str, ...]:
+        return ("w",)
+
+    def reference(self, problem: Problem, inputs: dict):
+        return reference(problem, inputs)
 
 
 @functools.cache

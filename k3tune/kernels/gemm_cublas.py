@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 
 from k3tune.kernels import gemm_common
-from k3tune.kernels.base import KernelConfig, KernelFamily, Work
+from k3tune.kernels.base import KernelConfig, Work
 from k3tune.plan.problems import Problem
 
 
@@ -19,9 +19,9 @@ class CublasConfig(KernelConfig):
     pass
 
 
-class CublasGemm(KernelFamily):
+class CublasGemm(gemm_common.DenseGemm):
     name = "gemm.cublas"
-    kinds = frozenset({"gemm"})
+    writes_out = False  # torch.matmul returns its own tensor
     config_cls = CublasConfig
     backends = frozenset({"gpu", "simulated", "cpu"})
     priority = 10  # the safe choice wins statistical ties
@@ -39,14 +39,6 @@ class CublasGemm(KernelFamily):
             tensor_cores=True,
             extra_us=1.0,
         )
-
-    make_inputs = staticmethod(lambda problem, device, generator: gemm_common.make_inputs(problem, device, generator))
-
-    def weight_names(self, problem: Problem) -> tuple[str, ...]:
-        return ("w",)
-
-    def reference(self, problem: Problem, inputs: dict):
-        return gemm_common.reference(problem, inputs)
 
     def build(self, problem: Problem, cfg: CublasConfig):
         import torch

@@ -26,7 +26,7 @@ import os
 from dataclasses import dataclass
 
 from k3tune.kernels import gemm_common
-from k3tune.kernels.base import KernelConfig, KernelFamily, Work
+from k3tune.kernels.base import KernelConfig, Work
 from k3tune.plan.problems import Problem
 
 MAX_M = 16
@@ -44,9 +44,9 @@ class SmallMConfig(KernelConfig):
     pdl: int = 0  # 1: programmatic dependent launch (the CTA's weights pulled into L2 as the kernel before ends)
 
 
-class SmallMGemm(KernelFamily):
+class SmallMGemm(gemm_common.DenseGemm):
     name = "gemm.smallm"
-    kinds = frozenset({"gemm"})
+    workspace_splits = MAX_SPLIT
     config_cls = SmallMConfig
     backends = frozenset({"gpu", "simulated"})
     priority = 30
@@ -92,20 +92,6 @@ class SmallMGemm(KernelFamily):
         )
 
     # ---- the measurer's interface --------------------------------------------------------------
-    def make_inputs(self, problem: Problem, device, generator) -> dict:
-        import torch
-
-        inputs = gemm_common.make_inputs(problem, device, generator)
-        m, n = problem["M"], problem["N"]
-        inputs["out"] = torch.empty(m, n, dtype=torch.bfloat16, device=device)
-        inputs["ws"] = torch.empty(MAX_SPLIT, m, n, dtype=torch.float32, device=device)
-        return inputs
-
-    def weight_names(self, problem: Problem) -> tuple[str, ...]:
-        return ("w",)
-
-    def reference(self, problem: Problem, inputs: dict):
-        return gemm_common.reference(problem, inputs)
 
     def build(self, problem: Problem, cfg: SmallMConfig):
         import torch
@@ -223,7 +209,7 @@ def _kernel_class():
                         for j in cutlass.range_constexpr(VEC):  # an FMA chain: no per-vector reduction tree
                             a = a + wf[j] * xf[j, mi]
                         acc[r * M + mi] = a
-            smem = cutlass.memory.SmemAllocator() if hasattr(cutlass, "memory") else cutlass.utils.SmemAllocator()
+            smem = cutlass.memory.SmemAllocator()
             red = smem.allocate_tensor(Float32, cute.make_layout((W, R * M)), 16)
             for i in cutlass.range_constexpr(R * M):
                 v = cute.arch.warp_reduction_sum(acc[i])

@@ -1,5 +1,5 @@
 """Split-K tensor-core decode GEMM whose split CTAs form one thread-block cluster and sum their partials in the
-leader's shared memory: no workspace, no counter, no second kernel (staged: GPU numerics not yet run).
+leader's shared memory: no workspace, no counter, no second kernel (GPU numerics passed on the H200, s14-r1).
 
 y[M,N] = x[M,K] @ W[N,K]^T, bf16 in and out, fp32 accumulation. The main loop is gemm_splitk_tc's (the same
 ``mma.sync`` swap-AB kernel, ring of ``cp.async`` stages, warps over rows and K), inherited from its kernel class;
@@ -10,8 +10,7 @@ each peer pushes its accumulators into its own slot of rank 0's receive buffer w
 (deterministic) and writes bf16. Why: the second kernel of the split-K winners costs ~1-2 us on 2-5 us floors
 (NOTES.md, session 13), and the few-row projections need split-K at M = 16-64 to own enough rows per CTA.
 
-The main loop's body is a copy of gemm_splitk_tc's ``kernel`` (its helpers are inherited): moving it into a method of
-its own there re-keys every splitk_tc winner, so that waits for the next dense re-sweep. Cluster sizes 2, 4 and 8
+The main loop and the K-warp sum are gemm_splitk_tc's (``_ring``, ``_mainloop``, inherited). Cluster sizes 2, 4 and 8
 (portable). With ``pdl = 1`` the launch allows programmatic dependent launch as in
 gemm_splitk_tc. M, N and K are dynamic. GPU numerics: ``pytest -m gpu tests/test_gpu_kernels.py -k cluster``.
 """
@@ -52,12 +51,17 @@ class SplitKClusterGemm(SplitKTensorCoreGemm):
         return params
 
     def seeds(self, problem: Problem) -> list[SplitKConfig]:
-        """gemm_splitk_tc's seeds with their split clamped to a portable cluster (8) and summed in the cluster."""
+        """gemm_splitk_tc's seed layouts (chosen under its own rules: its splits go to 16) at a cluster of 8 up to
+        M = 16 and of 4 beyond (the s14-r1 probe's best on the 576- to 1536-row ops), summed in the cluster. (Under
+        this family's rules the narrow ops had no seed at all: their splitk_tc seeds split 16, and the default left
+        was a 2-stage, 32-wide ring 2x slower than cuBLAS.)"""
         out = []
-        for cfg in super().seeds(problem):
-            c = dataclasses.replace(cfg, split_k=min(8, max(2, cfg.split_k)), reduce=0)
-            if self.valid(c, problem):
-                out.append(c)
+        for cfg in SplitKTensorCoreGemm().seeds(problem):
+            for split in (8, 4) if problem["M"] <= 16 else (4, 8):
+                c = dataclasses.replace(cfg, split_k=split, reduce=0)
+                if self.valid(c, problem):
+                    out.append(c)
+                    break
         return list(dict.fromkeys(out))
 
     def work(self, problem: Problem, cfg: SplitKConfig) -> Work:
@@ -112,7 +116,7 @@ def _kernel_class():
     import cutlass
     import cutlass.cute as cute
     from cuda.bindings import driver as cuda
-    from cutlass import BFloat16, Float32, Int32, Int64
+    from cutlass import Float32, Int32, Int64
 
     class SplitKClusterKernel(gemm_splitk_tc._kernel_class()):
         @cute.jit
@@ -125,8 +129,7 @@ def _kernel_class():
 
         @cute.kernel
         def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor):
-            MT, NT, WN, WK, S, P = self.mt, self.nt, self.wn, self.wk, self.split, self.stages
-            ROWS, TM, BK = self.rows, self.tm, self.bk
+            MT, NT, WN, S = self.mt, self.nt, self.wn, self.split
             tidx, _, _ = cute.arch.thread_idx()
             bidx, bidy, bidz = cute.arch.block_idx()
             rank = cute.arch.block_idx_in_cluster()
@@ -138,28 +141,16 @@ def _kernel_class():
             c = lane % 4
             wrow = warp % WN
             wkk = warp // WN
-            row0 = bidx * ROWS
-            tok0 = bidy * TM
-            ktiles = mW.shape[1] // (BK * S)
+            row0 = bidx * self.rows
+            tok0 = bidy * self.tm
+            ktiles = mW.shape[1] // (self.bk * S)
             kt0 = bidz * ktiles
             nacc = 4 * MT * NT
 
-            smem = cutlass.utils.SmemAllocator()
-            sW = smem.allocate_tensor(BFloat16, cute.make_layout(P * ROWS * BK), 128)
-            sX = smem.allocate_tensor(BFloat16, cute.make_layout(P * TM * BK), 128)
+            smem = cutlass.memory.SmemAllocator()
+            sW, sX = self._ring(smem)
             recv = smem.allocate_tensor(Float32, cute.make_layout((S - 1) * 32 * WN * nacc), 16)
             bar = smem.allocate_tensor(Int64, cute.make_layout(1), 8)
-            g2s = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.cpasync.LoadCacheMode.GLOBAL),
-                                      BFloat16, num_bits_per_copy=128)
-            s2r = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
-            mma = cute.make_mma_atom(cute.nvgpu.warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16)))
-
-            acc = cute.make_rmem_tensor(cute.make_layout((4, MT, NT)), Float32)
-            acc.fill(0.0)
-            rw = cute.make_rmem_tensor(cute.make_layout((8, 2 * MT)), BFloat16)
-            rx = cute.make_rmem_tensor(cute.make_layout((8, NT)), BFloat16)
-            fa = cute.make_rmem_tensor(cute.make_layout((8, MT)), BFloat16)
-            fb = cute.make_rmem_tensor(cute.make_layout((4, NT)), BFloat16)
 
             # rank 0's mbarrier expects every peer's bytes before anyone can push (the cluster barrier below)
             if rank == 0 and tidx == 0:
@@ -168,39 +159,8 @@ def _kernel_class():
                 cute.arch.mbarrier_arrive_and_expect_tx(bar.iterator, (S - 1) * 32 * WN * nacc * 4)
             cute.arch.cluster_arrive_relaxed()
 
-            # the main loop of gemm_splitk_tc (its prologue, ring and compute)
-            if cutlass.const_expr(self.pdl):
-                cute.arch.griddepcontrol_launch_dependents()
-            for s in cutlass.range_constexpr(P - 1):
-                if s < ktiles:
-                    self._issue_w(mW, sW, g2s, kt0 + s, s, tidx, row0, n)
-            if cutlass.const_expr(self.pdl):
-                cute.arch.griddepcontrol_wait()  # x and y only from here on
-            for s in cutlass.range_constexpr(P - 1):
-                if s < ktiles:
-                    self._issue_x(mX, sX, g2s, kt0 + s, s, tidx, tok0, m)
-                cute.arch.cp_async_commit_group()
-            for kt in cutlass.range(ktiles):
-                cute.arch.cp_async_wait_group(P - 2)
-                cute.arch.sync_threads()
-                nk = kt + P - 1
-                if nk < ktiles:
-                    self._issue_w(mW, sW, g2s, kt0 + nk, nk % P, tidx, row0, n)
-                    self._issue_x(mX, sX, g2s, kt0 + nk, nk % P, tidx, tok0, m)
-                cute.arch.cp_async_commit_group()
-                self._compute(sW, sX, s2r, mma, kt % P, wrow, wkk, g, c, rw, rx, fa, fb, acc)
-            cute.arch.cp_async_wait_group(0)
-
-            if cutlass.const_expr(WK > 1):  # the K warps, in warp order, as gemm_splitk_tc does
-                red = smem.allocate_tensor(Float32, cute.make_layout((nacc, 32, WN, WK - 1)), 16)
-                if wkk > 0:
-                    for e in cutlass.range_constexpr(nacc):
-                        red[e, lane, wrow, wkk - 1] = acc[e]
-                cute.arch.sync_threads()
-                if wkk == 0:
-                    for q in cutlass.range_constexpr(WK - 1):
-                        for e in cutlass.range_constexpr(nacc):
-                            acc[e] = acc[e] + red[e, lane, wrow, q]
+            # gemm_splitk_tc's main loop and K-warp sum (the same ring, the same order)
+            acc = self._mainloop(mX, mW, sW, sX, smem, tidx, row0, tok0, kt0, ktiles, m, n)
 
             cute.arch.cluster_wait()  # rank 0's mbarrier is initialised and armed
             slot = (wrow * 32 + lane) * nacc  # this thread's accumulators in a peer's slot

@@ -43,7 +43,7 @@ import math
 from dataclasses import dataclass
 
 from k3tune.kernels import gemm_common
-from k3tune.kernels.base import KernelConfig, KernelFamily, Work
+from k3tune.kernels.base import KernelConfig, Work
 from k3tune.kernels.gemm_smallm import current_arch
 from k3tune.plan.problems import Problem
 
@@ -78,9 +78,10 @@ def _pow2_ceil(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
 
-class SplitKTensorCoreGemm(KernelFamily):
+class SplitKTensorCoreGemm(gemm_common.DenseGemm):
     name = "gemm.splitk_tc"
-    kinds = frozenset({"gemm"})
+    workspace_splits = MAX_SPLIT
+    counters = True
     config_cls = SplitKConfig
     backends = frozenset({"gpu", "simulated"})
     priority = 40
@@ -167,22 +168,6 @@ class SplitKTensorCoreGemm(KernelFamily):
         )
 
     # ---- the measurer's interface --------------------------------------------------------------
-    def make_inputs(self, problem: Problem, device, generator) -> dict:
-        import torch
-
-        inputs = gemm_common.make_inputs(problem, device, generator)
-        m, n = problem["M"], problem["N"]
-        inputs["out"] = torch.empty(m, n, dtype=torch.bfloat16, device=device)
-        inputs["ws"] = torch.empty(MAX_SPLIT, m, n, dtype=torch.float32, device=device)
-        # one arrival counter per (row tile, token tile); the last CTA of a tile resets its counter
-        inputs["counters"] = torch.zeros(n // 16 + 1, m // 8 + 1, dtype=torch.int32, device=device)
-        return inputs
-
-    def weight_names(self, problem: Problem) -> tuple[str, ...]:
-        return ("w",)
-
-    def reference(self, problem: Problem, inputs: dict):
-        return gemm_common.reference(problem, inputs)
 
     def build(self, problem: Problem, cfg: SplitKConfig):
         import torch
@@ -267,8 +252,7 @@ def _kernel_class():
 
         @cute.kernel
         def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor, mWs: cute.Tensor, mCnt: cute.Tensor):
-            MT, NT, WN, WK, S, P = self.mt, self.nt, self.wn, self.wk, self.split, self.stages
-            ROWS, TM, VR, BK = self.rows, self.tm, self.vr, self.bk
+            MT, NT, WN, S = self.mt, self.nt, self.wn, self.split
             tidx, _, _ = cute.arch.thread_idx()
             bidx, bidy, bidz = cute.arch.block_idx()
             m = mX.shape[0]
@@ -279,17 +263,65 @@ def _kernel_class():
             c = lane % 4
             wrow = warp % WN
             wkk = warp // WN
-            row0 = bidx * ROWS
-            tok0 = bidy * TM
-            ktiles = mW.shape[1] // (BK * S)  # stages of K in this CTA's slice
+            row0 = bidx * self.rows
+            tok0 = bidy * self.tm
+            ktiles = mW.shape[1] // (self.bk * S)  # stages of K in this CTA's slice
             kt0 = bidz * ktiles
 
-            smem = cutlass.utils.SmemAllocator()
-            # ring buffers [stage][row][vector position][8 elements]; every vector is addressed through a pointer
-            # aligned to 16 bytes and viewed as a flat 8-element tensor (a nested (1, 8) view makes the copy emit
-            # eight misaligned 16-byte copies)
-            sW = smem.allocate_tensor(BFloat16, cute.make_layout(P * ROWS * BK), 128)
-            sX = smem.allocate_tensor(BFloat16, cute.make_layout(P * TM * BK), 128)
+            smem = cutlass.memory.SmemAllocator()
+            sW, sX = self._ring(smem)
+            acc = self._mainloop(mX, mW, sW, sX, smem, tidx, row0, tok0, kt0, ktiles, m, n)
+            nacc = 4 * MT * NT
+
+            wrow0 = row0 + wrow * 16 * MT
+            if cutlass.const_expr(S == 1):
+                if wkk == 0:
+                    self._store(acc, mY, wrow0, tok0, g, c, m, n)
+            elif cutlass.const_expr(self.second):
+                if wkk == 0:
+                    self._store(acc, mWs[bidz, None, None], wrow0, tok0, g, c, m, n)
+            else:
+                if wkk == 0:
+                    self._store(acc, mWs[bidz, None, None], wrow0, tok0, g, c, m, n)
+                cute.arch.fence_acq_rel_gpu()
+                cute.arch.sync_threads()
+                flag = smem.allocate_tensor(Int32, cute.make_layout(1), 4)
+                if tidx == 0:
+                    old = cute.arch.atomic_add((mCnt.iterator + (bidx * mCnt.shape[1] + bidy)), Int32(1),
+                                               sem="acq_rel", scope="gpu")
+                    flag[0] = old
+                cute.arch.sync_threads()
+                if flag[0] == S - 1:  # the last CTA of this tile: sum the slices in order, write bf16
+                    cute.arch.fence_acq_rel_gpu()
+                    if wkk == 0:
+                        for e in cutlass.range_constexpr(nacc):
+                            acc[e] = Float32(0.0)
+                        for z in cutlass.range_constexpr(S):
+                            self._accumulate(acc, mWs[z, None, None], wrow0, tok0, g, c, m, n)
+                        self._store(acc, mY, wrow0, tok0, g, c, m, n)
+                    if tidx == 0:
+                        mCnt[bidx, bidy] = Int32(0)
+
+        @cute.jit
+        def _ring(self, smem):
+            """The ring buffers [stage][row][vector position][8 elements]; every vector is addressed through a
+            pointer aligned to 16 bytes and viewed as a flat 8-element tensor (a nested (1, 8) view makes the copy
+            emit eight misaligned 16-byte copies)."""
+            sW = smem.allocate_tensor(BFloat16, cute.make_layout(self.stages * self.rows * self.bk), 128)
+            sX = smem.allocate_tensor(BFloat16, cute.make_layout(self.stages * self.tm * self.bk), 128)
+            return sW, sX
+
+        @cute.jit
+        def _mainloop(self, mX, mW, sW, sX, smem, tidx, row0, tok0, kt0, ktiles, m, n):
+            """This CTA's K slice (``ktiles`` stages from stage ``kt0``) of its row and token tile, through the
+            ring; the K warps summed in warp order (deterministic). Returns the accumulators, whole in K warp 0."""
+            MT, NT, WN, WK, P = self.mt, self.nt, self.wn, self.wk, self.stages
+            warp = tidx // 32
+            lane = tidx % 32
+            g = lane // 4
+            c = lane % 4
+            wrow = warp % WN
+            wkk = warp // WN
             g2s = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.cpasync.LoadCacheMode.GLOBAL),
                                       BFloat16, num_bits_per_copy=128)
             s2r = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
@@ -338,35 +370,7 @@ def _kernel_class():
                     for q in cutlass.range_constexpr(WK - 1):
                         for e in cutlass.range_constexpr(nacc):
                             acc[e] = acc[e] + red[e, lane, wrow, q]
-
-            wrow0 = row0 + wrow * 16 * MT
-            if cutlass.const_expr(S == 1):
-                if wkk == 0:
-                    self._store(acc, mY, wrow0, tok0, g, c, m, n)
-            elif cutlass.const_expr(self.second):
-                if wkk == 0:
-                    self._store(acc, mWs[bidz, None, None], wrow0, tok0, g, c, m, n)
-            else:
-                if wkk == 0:
-                    self._store(acc, mWs[bidz, None, None], wrow0, tok0, g, c, m, n)
-                cute.arch.fence_acq_rel_gpu()
-                cute.arch.sync_threads()
-                flag = smem.allocate_tensor(Int32, cute.make_layout(1), 4)
-                if tidx == 0:
-                    old = cute.arch.atomic_add((mCnt.iterator + (bidx * mCnt.shape[1] + bidy)), Int32(1),
-                                               sem="acq_rel", scope="gpu")
-                    flag[0] = old
-                cute.arch.sync_threads()
-                if flag[0] == S - 1:  # the last CTA of this tile: sum the slices in order, write bf16
-                    cute.arch.fence_acq_rel_gpu()
-                    if wkk == 0:
-                        for e in cutlass.range_constexpr(nacc):
-                            acc[e] = Float32(0.0)
-                        for z in cutlass.range_constexpr(S):
-                            self._accumulate(acc, mWs[z, None, None], wrow0, tok0, g, c, m, n)
-                        self._store(acc, mY, wrow0, tok0, g, c, m, n)
-                    if tidx == 0:
-                        mCnt[bidx, bidy] = Int32(0)
+            return acc
 
         @cute.jit
         def _vec(self, ptr):

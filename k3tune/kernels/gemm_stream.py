@@ -33,7 +33,7 @@ import os
 from dataclasses import dataclass
 
 from k3tune.kernels import gemm_common
-from k3tune.kernels.base import KernelConfig, KernelFamily, Work
+from k3tune.kernels.base import KernelConfig, Work
 from k3tune.kernels.gemm_smallm import current_arch
 from k3tune.plan.problems import Problem
 
@@ -67,9 +67,8 @@ def _n_tiles(m: int) -> int:
     return (m + 7) // 8
 
 
-class StreamGemm(KernelFamily):
+class StreamGemm(gemm_common.DenseGemm):
     name = "gemm.stream"
-    kinds = frozenset({"gemm"})
     config_cls = StreamConfig
     backends = frozenset({"gpu", "simulated"})
     priority = 35
@@ -135,18 +134,6 @@ class StreamGemm(KernelFamily):
         )
 
     # ---- the measurer's interface --------------------------------------------------------------
-    def make_inputs(self, problem: Problem, device, generator) -> dict:
-        import torch
-
-        inputs = gemm_common.make_inputs(problem, device, generator)
-        inputs["out"] = torch.empty(problem["M"], problem["N"], dtype=torch.bfloat16, device=device)
-        return inputs
-
-    def weight_names(self, problem: Problem) -> tuple[str, ...]:
-        return ("w",)
-
-    def reference(self, problem: Problem, inputs: dict):
-        return gemm_common.reference(problem, inputs)
 
     def build(self, problem: Problem, cfg: StreamConfig):
         import torch
@@ -222,7 +209,7 @@ def _kernel_class():
 
         @cute.kernel
         def kernel(self, tma_w: cute.CopyAtom, mW: cute.Tensor, mX: cute.Tensor, mY: cute.Tensor):
-            R, M, W, C = self.rows, self.m, self.warps, self.chunks
+            R, W, C = self.rows, self.warps, self.chunks
             tidx, _, _ = cute.arch.thread_idx()
             bidx, _, _ = cute.arch.block_idx()
             warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -234,7 +221,7 @@ def _kernel_class():
                 cute.arch.griddepcontrol_launch_dependents()
             if warp == 0:
                 cpasync.prefetch_descriptor(tma_w)
-            smem = cutlass.utils.SmemAllocator()
+            smem = cutlass.memory.SmemAllocator()
             st = smem.allocate(self.storage)
             # one stage per chunk, each filled once: the consumers wait for phase 0 and never release
             pipe = pipeline.PipelineTmaAsync.create(

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from k3tune.errors import CannotImplement
 from k3tune.kernels import gemm_common
-from k3tune.kernels.base import KernelConfig, KernelFamily, Work
+from k3tune.kernels.base import KernelConfig, Work
 from k3tune.kernels.gemm_smallm import current_arch
 from k3tune.plan.problems import Problem
 
@@ -59,9 +59,9 @@ def _pow2_ceil(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
 
-class WgmmaGemm(KernelFamily):
+class WgmmaGemm(gemm_common.DenseGemm):
     name = "gemm.wgmma"
-    kinds = frozenset({"gemm"})
+    workspace_splits = MAX_SPLIT
     config_cls = WgmmaConfig
     backends = frozenset({"gpu", "simulated"})
     priority = 45
@@ -94,8 +94,9 @@ class WgmmaGemm(KernelFamily):
         return seeds[0] if seeds else WgmmaConfig()
 
     def seeds(self, problem: Problem) -> list[WgmmaConfig]:
-        """One 64-row warpgroup per CTA with the smallest split giving >= 1 CTA per SM (and the unsplit deep
-        ring: split-K writes and re-reads split x M x N fp32), both with PDL."""
+        """One 64-row warpgroup per CTA with the smallest split giving >= 1 CTA per SM, the unsplit deep ring
+        (split-K writes and re-reads split x M x N fp32) and, from M = 16, split 4 and 8 with 128-wide K steps on a
+        4-stage ring; all with PDL."""
         m, n = problem["M"], problem["N"]
         tile_m = min(64, max(8, _pow2_ceil(m)))
         row_ctas = math.ceil(n / 64) * math.ceil(m / tile_m)
@@ -110,6 +111,11 @@ class WgmmaGemm(KernelFamily):
             deep = WgmmaConfig(1, tile_m, 1, 128, deep.stages - 2, 1)
         if self.valid(deep, problem):
             out.append(deep)
+        if m >= 16:  # the s12-r5 probe's corner: q_a M = 64 10.7 us there against the sweep's best 14.5
+            for split in (4, 8):
+                wide = WgmmaConfig(warpgroups=1, tile_m=tile_m, split_k=split, bk=128, stages=4, pdl=1)
+                if self.valid(wide, problem):
+                    out.append(wide)
         return list(dict.fromkeys(out))
 
     def work(self, problem: Problem, cfg: WgmmaConfig) -> Work:
@@ -130,20 +136,6 @@ class WgmmaGemm(KernelFamily):
         )
 
     # ---- the measurer's interface --------------------------------------------------------------
-    def make_inputs(self, problem: Problem, device, generator) -> dict:
-        import torch
-
-        inputs = gemm_common.make_inputs(problem, device, generator)
-        m, n = problem["M"], problem["N"]
-        inputs["out"] = torch.empty(m, n, dtype=torch.bfloat16, device=device)
-        inputs["ws"] = torch.empty(MAX_SPLIT, m, n, dtype=torch.float32, device=device)
-        return inputs
-
-    def weight_names(self, problem: Problem) -> tuple[str, ...]:
-        return ("w",)
-
-    def reference(self, problem: Problem, inputs: dict):
-        return gemm_common.reference(problem, inputs)
 
     def build(self, problem: Problem, cfg: WgmmaConfig):
         import torch
@@ -214,7 +206,7 @@ def _kernel_class():
         def __call__(self, mX: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor, mWs: cute.Tensor,
                      stream: cuda.CUstream):
             tiled_mma = sm90_utils.make_trivial_tiled_mma(
-                BFloat16, BFloat16, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
+                BFloat16, BFloat16, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K, Float32,
                 (self.wg, 1, 1), tiler_mn=(64, self.tm))
             a_staged = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, self.tile, BFloat16, self.stages)
             b_staged = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, self.tile, BFloat16, self.stages)
@@ -258,7 +250,7 @@ def _kernel_class():
                 cpasync.prefetch_descriptor(tma_w)
                 cpasync.prefetch_descriptor(tma_x)
 
-            smem = cutlass.utils.SmemAllocator()
+            smem = cutlass.memory.SmemAllocator()
             st = smem.allocate(self.storage)
             stage_bytes = (cute.size_in_bytes(BFloat16, cute.slice_(a_staged, (None, None, 0)))
                            + cute.size_in_bytes(BFloat16, cute.slice_(b_staged, (None, None, 0))))
