@@ -222,7 +222,7 @@ def test_splitk_tc_space_sample_numerics(farm, m, n, k):
 
 @pytest.mark.parametrize("m,n,k", [(3, 280, 7168), (17, 7168, 768), (64, 1000, 1536)])
 def test_splitk_cluster_sample_numerics(m, n, k):
-    """The cluster-summed split-K kernel (staged): every warp layout, token tile and cluster size at one ring, PDL on
+    """The cluster-summed split-K kernel: every warp layout, token tile and cluster size at one ring, PDL on
     every 3rd; rows past N (280, 1000), tokens past M (3, 17); each run twice on the same buffers (the mbarrier and
     the receive buffer are set up by every launch)."""
     from k3tune.kernels.gemm_splitk_tc import SplitKConfig

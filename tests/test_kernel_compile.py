@@ -168,7 +168,7 @@ def test_stream_sample_covers_the_space():
     assert {s[2] for s in sample} == set(space["warps"]) and {s[5] for s in sample} == set(space["mma"])
 
 
-# the cluster-summed split-K kernel (staged): every cluster size, warp layout and token tile corner, with and without PDL
+# the cluster-summed split-K kernel: every cluster size, warp layout and token tile corner, with and without PDL
 CLUSTER_SAMPLE = sorted({(1, wn, wk, tm, s, 128 if wk == 4 else 64, 3, s % 4 == 0)
                          for wn, wk, tm, s in itertools.product((1, 4), (1, 4), (8, 64), (2, 4, 8))}
                         | {(2, 2, 2, 32, 4, 64, 4, 1), (4, 1, 1, 16, 8, 32, 2, 0)})

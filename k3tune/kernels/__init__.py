@@ -26,7 +26,8 @@ __all__ = ["FAMILIES", "STAGED", "KernelConfig", "KernelFamily", "Work", "count_
 
 FAMILIES: dict[str, KernelFamily] = {
     f.name: f
-    for f in [CublasGemm(), SmallMGemm(), SplitKTensorCoreGemm(), WgmmaGemm(), StreamGemm(), KdaTorch(), KdaFused(), MlaTorch(),
+    for f in [CublasGemm(), SmallMGemm(), SplitKTensorCoreGemm(), WgmmaGemm(), StreamGemm(), SplitKClusterGemm(),
+              KdaTorch(), KdaFused(), MlaTorch(),
               MlaSplitKv(), MoeStock(), MoeOverlap(), CpuGemm(), TpAllReduce()]
 }
 
@@ -34,8 +35,9 @@ FAMILIES: dict[str, KernelFamily] = {
 # to FAMILIES re-keys every winner of the ops it could serve (op_digest), so a staged family is built, tested and
 # probed by name (``family``) but offered to a sweep and keyed only where K3TUNE_EXTRA_FAMILIES names it
 # (comma-separated; the re-sweep that ships it), until it moves to FAMILIES with that database. (gemm.wgmma was
-# staged so until its dense re-sweep shipped, session 12; gemm.stream until session 13's.)
-STAGED: dict[str, KernelFamily] = {f.name: f for f in [SplitKClusterGemm()]}
+# staged so until its dense re-sweep shipped, session 12; gemm.stream until session 13's; gemm.splitk_cluster until
+# session 14's.)
+STAGED: dict[str, KernelFamily] = {}
 
 
 _EXTRA_ERROR: list[str] = []  # a bad K3TUNE_EXTRA_FAMILIES, raised on first use (an import-time raise is a traceback)
