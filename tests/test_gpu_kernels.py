@@ -60,7 +60,7 @@ def _twice(fam, p, cfg, seed: int, poison=("out",)) -> dict:
 @pytest.mark.parametrize("m", MS)
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("name", ["gemm.cublas", "gemm.smallm", "gemm.splitk_tc", "gemm.wgmma", "gemm.stream",
-                                  "gemm.splitk_cluster"])
+                                  "gemm.splitk_cluster", "gemm.wgmma_mc"])
 def test_gemm_default_numerics(name, m, n, k):
     _check(name, m, n, k)
 
@@ -79,6 +79,21 @@ def test_wgmma_space_numerics(farm, m, n, k):
         _twice(fam, p, cfg, 1000 + checked, poison=("out", "ws"))
         checked += 1
     assert checked >= 40, checked
+
+
+@pytest.mark.parametrize("m,n,k", [(3, 280, 7168), (17, 7168, 768), (64, 1000, 1536), (40, 1536, 7168)])
+def test_wgmma_mc_space_numerics(farm, m, n, k):
+    """The staged wgmma with x multicast: every 4th valid config with PDL off and every 12th with it on, on rows past
+    N (280 and 1000 leave a partial row tile and a cluster with tiles wholly past N), tokens past M and every
+    split; each run twice on the same buffers (the ring's cluster-wide barriers are set up by every launch)."""
+    fam = family("gemm.wgmma_mc")
+    p = Problem("kda.o_proj", "gemm", (("M", m), ("N", n), ("K", k)))
+    cfgs = list(fam.configs(p))
+    checked = 0
+    for cfg in _built_first(farm, fam.name, p, [c for c in cfgs if not c.pdl][::4] + [c for c in cfgs if c.pdl][::12]):
+        _twice(fam, p, cfg, 4000 + checked, poison=("out", "ws"))
+        checked += 1
+    assert checked >= 12, checked
 
 
 @pytest.mark.parametrize("m,n,k,every", [(3, 280, 7168, 1), (1, 576, 7168, 1), (8, 1536, 7168, 1),
@@ -103,7 +118,13 @@ _TMA_CONFIGS = [("gemm.stream", (1, 576, 7168), {"rows": 10, "warps": 16, "mma":
                 ("gemm.wgmma", (40, 1000, 1536), {"warpgroups": 2, "tile_m": 64, "split_k": 2, "bk": 64, "stages": 4,
                                                   "pdl": 1}),
                 ("gemm.wgmma", (3, 7168, 768), {"warpgroups": 1, "tile_m": 8, "split_k": 1, "bk": 128, "stages": 6,
-                                                "pdl": 0})]
+                                                "pdl": 0}),
+                ("gemm.splitk_cluster", (17, 576, 7168), {"m_tiles": 1, "warps_n": 1, "warps_k": 4, "tile_m": 32,
+                                                          "split_k": 8, "bk": 128, "stages": 6, "reduce": 0, "pdl": 1}),
+                ("gemm.wgmma_mc", (40, 1000, 1536), {"warpgroups": 1, "tile_m": 64, "split_k": 2, "bk": 64,
+                                                     "stages": 4, "pdl": 1, "cluster": 4})]
+_LOADED_MODULES = ("k3tune.kernels.gemm_stream", "k3tune.kernels.gemm_wgmma", "k3tune.kernels.gemm_splitk_cluster",
+                   "k3tune.kernels.gemm_wgmma_mc")
 _BUILD_INTO_CACHE = """
 import json, sys, warnings
 warnings.simplefilter("ignore", DeprecationWarning)
@@ -119,7 +140,8 @@ print(len(compile_cache.COMPILED))
 
 
 def test_tma_kernels_loaded_from_the_disk_cache(tmp_path, monkeypatch):
-    """The check before the compile farm may build the TMA GEMMs (gemm.stream, gemm.wgmma) for the sweep workers:
+    """The check before the compile farm may build the TMA and cluster GEMMs (gemm.stream, gemm.wgmma,
+    gemm.splitk_cluster, gemm.wgmma_mc) for the sweep workers:
     kernels compiled in another process and loaded from the disk cache (compiling here is made to fail) give the
     reference's results, twice on the same buffers with poisoned outputs."""
     import json
@@ -128,16 +150,18 @@ def test_tma_kernels_loaded_from_the_disk_cache(tmp_path, monkeypatch):
     import sys
 
     import cutlass.cute as cute
-    from k3tune.kernels import compile_cache, gemm_stream, gemm_wgmma
+    import importlib
+
+    from k3tune.kernels import compile_cache
 
     monkeypatch.setenv("K3TUNE_KERNEL_CACHE", str(tmp_path))
     out = subprocess.run([sys.executable, "-c", _BUILD_INTO_CACHE, json.dumps(_TMA_CONFIGS)], check=True,
                          capture_output=True, text=True, env=os.environ.copy())
     assert int(out.stdout.split()[-1]) == len(_TMA_CONFIGS)  # compiled there, into the cache
-    monkeypatch.setattr(gemm_stream, "compiled", gemm_stream.compiled.__wrapped__)  # a fresh in-process cache
-    monkeypatch.setattr(gemm_wgmma, "compiled", gemm_wgmma.compiled.__wrapped__)
-    compile_cache.install({m: compile_cache.KERNEL_MODULES[m]
-                           for m in ("k3tune.kernels.gemm_stream", "k3tune.kernels.gemm_wgmma")})
+    for name in _LOADED_MODULES:  # a fresh in-process cache
+        mod = importlib.import_module(name)
+        monkeypatch.setattr(mod, "compiled", getattr(mod.compiled, "__wrapped__", mod.compiled))
+    compile_cache.install({m: compile_cache.KERNEL_MODULES[m] for m in _LOADED_MODULES})
 
     def no_compile(*a, **k):
         raise AssertionError("compiled again instead of loaded from the cache")
@@ -244,7 +268,9 @@ def test_splitk_cluster_sample_numerics(m, n, k):
                                         ("gemm.smallm", {"split_k": 1}), ("gemm.smallm", {"split_k": 4}),
                                         ("gemm.wgmma", {"split_k": 1}), ("gemm.wgmma", {"split_k": 4}),
                                         ("gemm.stream", {"rows": 8, "warps": 4, "mma": 1}),
-                                        ("gemm.splitk_cluster", {"split_k": 4})])
+                                        ("gemm.splitk_cluster", {"split_k": 4}),
+                                        ("gemm.wgmma_mc", {"split_k": 1, "cluster": 2}),
+                                        ("gemm.wgmma_mc", {"split_k": 4, "cluster": 4})])
 def test_pdl_chain(name, knobs):
     """Programmatic dependent launch: y1 = x W1^T, then y2 = y1 W2^T on the same stream, both launched with PDL (the
     second starts while the first finishes and must wait for y1), eagerly and replayed in a CUDA graph; and the

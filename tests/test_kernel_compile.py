@@ -135,6 +135,36 @@ def test_wgmma_is_hopper_only():
         gemm_wgmma.compiled(*WGMMA_SAMPLE[0], "sm_100a")
 
 
+# the staged wgmma with x multicast over a cluster: both cluster sizes at every token tile, both K steps, split-K,
+# two warpgroups and PDL (knobs: warpgroups, tile_m, split_k, bk, stages, pdl, cluster)
+WGMMA_MC_SAMPLE = sorted({(1, tm, 1, bk, 4, 0, c) for tm in (8, 16, 32, 64) for bk in (64, 128) for c in (2, 4)
+                          if (tm // 8) * (bk // 64) % c == 0}
+                         | {(1, 32, 4, 128, 4, 1, 4), (2, 64, 2, 64, 4, 1, 2), (1, 16, 8, 64, 6, 1, 2)})
+
+
+def test_wgmma_mc_compiles_for_hopper():
+    from k3tune.kernels import gemm_wgmma_mc
+
+    assert len(WGMMA_MC_SAMPLE) >= 12
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        for knobs in WGMMA_MC_SAMPLE:
+            assert gemm_wgmma_mc.compiled(*knobs, "sm_90a") is not None, knobs
+
+
+def test_wgmma_mc_is_hopper_only_and_staged():
+    """Blackwell has no wgmma (a declared CannotImplement), and the staged family is offered to no sweep."""
+    from k3tune.errors import CannotImplement
+    from k3tune.kernels import STAGED, families_for, gemm_wgmma_mc
+    from k3tune.plan.problems import Problem
+
+    with pytest.raises(CannotImplement, match="sm_90a"):
+        gemm_wgmma_mc.compiled(*WGMMA_MC_SAMPLE[0], "sm_100a")
+    assert "gemm.wgmma_mc" in STAGED
+    p = Problem("mla.q_a", "gemm", (("M", 64), ("N", 1536), ("K", 7168)))
+    assert "gemm.wgmma_mc" not in {f.name for f in families_for(p, "gpu")}
+
+
 # the whole-slice streaming kernel (one binary per M, K and knob set): every row count at M = 1 and K = 7168,
 # every warp count, the largest row count each M admits, the other K values of the K3 shapes, and PDL
 STREAM_SAMPLE = sorted({(1, r, 8, 7168, 0, 0) for r in (1, 2, 3, 4, 5, 6, 8, 10, 12)}

@@ -127,6 +127,10 @@ KERNEL_MODULES = {
     "k3tune.kernels.gemm_splitk_tc": ("k3tune.kernels.gemm_splitk_tc", "k3tune.kernels.gemm_common"),
     "k3tune.kernels.gemm_wgmma": ("k3tune.kernels.gemm_wgmma", "k3tune.kernels.gemm_common"),
     "k3tune.kernels.gemm_stream": ("k3tune.kernels.gemm_stream", "k3tune.kernels.gemm_common"),
+    "k3tune.kernels.gemm_splitk_cluster": ("k3tune.kernels.gemm_splitk_cluster", "k3tune.kernels.gemm_splitk_tc",
+                                           "k3tune.kernels.gemm_common"),
+    "k3tune.kernels.gemm_wgmma_mc": ("k3tune.kernels.gemm_wgmma_mc", "k3tune.kernels.gemm_wgmma",
+                                     "k3tune.kernels.gemm_common"),
     "k3tune.kernels.moe_experts": ("k3tune.kernels.moe_experts",),
     "k3tune.kernels.l2_prefetch": ("k3tune.kernels.l2_prefetch",),
 }

@@ -26,7 +26,8 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from k3tune.plan.problems import Problem
 
 # families whose build() compiles its kernel from the problem and the config alone (no GPU memory needed)
-FARMED = frozenset({"gemm.smallm", "gemm.splitk_tc", "gemm.stream", "gemm.wgmma", "gemm.splitk_cluster"})
+FARMED = frozenset({"gemm.smallm", "gemm.splitk_tc", "gemm.stream", "gemm.wgmma", "gemm.splitk_cluster",
+                    "gemm.wgmma_mc"})
 
 
 def _init(arch: str) -> None:
