@@ -60,7 +60,7 @@ def _twice(fam, p, cfg, seed: int, poison=("out",)) -> dict:
 @pytest.mark.parametrize("m", MS)
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("name", ["gemm.cublas", "gemm.smallm", "gemm.splitk_tc", "gemm.wgmma", "gemm.stream",
-                                  "gemm.splitk_cluster", "gemm.wgmma_mc"])
+                                  "gemm.splitk_cluster", "gemm.wgmma_mc", "gemm.splitk_cluster_rs"])
 def test_gemm_default_numerics(name, m, n, k):
     _check(name, m, n, k)
 
@@ -125,9 +125,12 @@ _TMA_CONFIGS = [("gemm.stream", (1, 576, 7168), {"rows": 10, "warps": 16, "mma":
                 ("gemm.splitk_cluster", (17, 576, 7168), {"m_tiles": 1, "warps_n": 1, "warps_k": 4, "tile_m": 32,
                                                           "split_k": 8, "bk": 128, "stages": 6, "reduce": 0, "pdl": 1}),
                 ("gemm.wgmma_mc", (40, 1000, 1536), {"warpgroups": 1, "tile_m": 64, "split_k": 2, "bk": 64,
-                                                     "stages": 4, "pdl": 1, "cluster": 4})]
+                                                     "stages": 4, "pdl": 1, "cluster": 4}),
+                ("gemm.splitk_cluster_rs", (33, 560, 7168), {"m_tiles": 1, "warps_n": 2, "warps_k": 2, "tile_m": 32,
+                                                             "split_k": 8, "bk": 64, "stages": 4, "reduce": 0,
+                                                             "pdl": 1})]
 _LOADED_MODULES = ("k3tune.kernels.gemm_stream", "k3tune.kernels.gemm_wgmma", "k3tune.kernels.gemm_splitk_cluster",
-                   "k3tune.kernels.gemm_wgmma_mc")
+                   "k3tune.kernels.gemm_wgmma_mc", "k3tune.kernels.gemm_splitk_cluster_rs")
 _BUILD_INTO_CACHE = """
 import json, sys, warnings
 warnings.simplefilter("ignore", DeprecationWarning)
@@ -143,8 +146,8 @@ print(len(compile_cache.COMPILED))
 
 
 def test_tma_kernels_loaded_from_the_disk_cache(tmp_path, monkeypatch):
-    """The check before the compile farm may build the TMA and cluster GEMMs (gemm.stream, gemm.wgmma,
-    gemm.splitk_cluster, gemm.wgmma_mc) for the sweep workers:
+    """The check before the compile farm may build the TMA and cluster GEMMs (gemm.stream, gemm.wgmma and the
+    cluster kernels) for the sweep workers:
     kernels compiled in another process and loaded from the disk cache (compiling here is made to fail) give the
     reference's results, twice on the same buffers with poisoned outputs."""
     import json
@@ -247,14 +250,15 @@ def test_splitk_tc_space_sample_numerics(farm, m, n, k):
     assert checked >= 20
 
 
+@pytest.mark.parametrize("name", ["gemm.splitk_cluster", "gemm.splitk_cluster_rs"])
 @pytest.mark.parametrize("m,n,k", [(3, 280, 7168), (17, 7168, 768), (64, 1000, 1536)])
-def test_splitk_cluster_sample_numerics(m, n, k):
-    """The cluster-summed split-K kernel: every warp layout, token tile and cluster size at one ring, PDL on
-    every 3rd; rows past N (280, 1000), tokens past M (3, 17); each run twice on the same buffers (the mbarrier and
-    the receive buffer are set up by every launch)."""
+def test_splitk_cluster_sample_numerics(name, m, n, k):
+    """The cluster-summed split-K kernels (leader sum and the staged reduce-scatter): every warp layout, token tile
+    and cluster size at one ring, PDL on every 3rd; rows past N (280, 1000), tokens past M (3, 17); each run twice on
+    the same buffers (the mbarriers and the receive buffers are set up by every launch)."""
     from k3tune.kernels.gemm_splitk_tc import SplitKConfig
 
-    fam = family("gemm.splitk_cluster")
+    fam = family(name)
     p = Problem("kda.o_proj", "gemm", (("M", m), ("N", n), ("K", k)))
     cfgs = [SplitKConfig(m_tiles=1, warps_n=wn, warps_k=wk, tile_m=tm, split_k=s, bk=128 if wk == 4 else 64,
                          stages=3, reduce=0, pdl=int(i % 3 == 0))
@@ -273,7 +277,8 @@ def test_splitk_cluster_sample_numerics(m, n, k):
                                         ("gemm.stream", {"rows": 8, "warps": 4, "mma": 1}),
                                         ("gemm.splitk_cluster", {"split_k": 4}),
                                         ("gemm.wgmma_mc", {"split_k": 1, "cluster": 2}),
-                                        ("gemm.wgmma_mc", {"split_k": 4, "cluster": 2})])
+                                        ("gemm.wgmma_mc", {"split_k": 4, "cluster": 2}),
+                                        ("gemm.splitk_cluster_rs", {"split_k": 8})])
 def test_pdl_chain(name, knobs):
     """Programmatic dependent launch: y1 = x W1^T, then y2 = y1 W2^T on the same stream, both launched with PDL (the
     second starts while the first finishes and must wait for y1), eagerly and replayed in a CUDA graph; and the

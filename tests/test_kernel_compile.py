@@ -135,6 +135,17 @@ def test_wgmma_is_hopper_only():
         gemm_wgmma.compiled(*WGMMA_SAMPLE[0], "sm_100a")
 
 
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_splitk_cluster_rs_compiles(arch):
+    """The staged reduce-scatter variant over the same sample as the leader-sum kernel."""
+    from k3tune.kernels import gemm_splitk_cluster_rs
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        for knobs in CLUSTER_SAMPLE:
+            assert gemm_splitk_cluster_rs.compiled(*knobs[:7], int(knobs[7]), arch) is not None, knobs
+
+
 # the staged wgmma with x multicast over a cluster: both cluster sizes at every token tile, both K steps, split-K,
 # two warpgroups and PDL (knobs: warpgroups, tile_m, split_k, bk, stages, pdl, cluster)
 WGMMA_MC_SAMPLE = sorted({(1, tm, 1, bk, 4, 0, c) for tm in (8, 16, 32, 64) for bk in (64, 128) for c in (2, 4)
