@@ -83,14 +83,15 @@ def test_wgmma_space_numerics(farm, m, n, k):
 
 @pytest.mark.parametrize("m,n,k", [(3, 280, 7168), (17, 7168, 768), (64, 1000, 1536), (40, 1536, 7168)])
 def test_wgmma_mc_space_numerics(farm, m, n, k):
-    """The staged wgmma with x multicast: every 3rd valid config with PDL off and every 11th with it on (odd strides:
-    the cluster is the fastest-varying knob, both sizes are hit), on rows past
-    N (280 and 1000 leave a partial row tile and a cluster with tiles wholly past N), tokens past M and every
-    split; each run twice on the same buffers (the ring's cluster-wide barriers are set up by every launch)."""
+    """The staged wgmma with x multicast and balanced splits: every 7th valid config with PDL off and every 23rd with
+    it on (odd strides: the cluster is the fastest-varying knob, every size is hit), on rows past N (280 and 1000
+    leave a partial row tile and a cluster with tiles wholly past N), tokens past M and every split, the uneven
+    ones (3, 6, 11, 12) too; each run twice on the same buffers (the ring's cluster-wide barriers are set up by
+    every launch)."""
     fam = family("gemm.wgmma_mc")
     p = Problem("kda.o_proj", "gemm", (("M", m), ("N", n), ("K", k)))
     cfgs = list(fam.configs(p))
-    sample = [c for c in cfgs if not c.pdl][::3] + [c for c in cfgs if c.pdl][::11]
+    sample = [c for c in cfgs if not c.pdl][::7] + [c for c in cfgs if c.pdl][::23]
     assert {c.cluster for c in sample} == {c.cluster for c in cfgs}  # every cluster size the shape admits
     checked = 0
     for cfg in _built_first(farm, fam.name, p, sample):
@@ -276,8 +277,9 @@ def test_splitk_cluster_sample_numerics(name, m, n, k):
                                         ("gemm.wgmma", {"split_k": 1}), ("gemm.wgmma", {"split_k": 4}),
                                         ("gemm.stream", {"rows": 8, "warps": 4, "mma": 1}),
                                         ("gemm.splitk_cluster", {"split_k": 4}),
-                                        ("gemm.wgmma_mc", {"split_k": 1, "cluster": 2}),
-                                        ("gemm.wgmma_mc", {"split_k": 4, "cluster": 2}),
+                                        ("gemm.wgmma_mc", {"split_k": 1, "cluster": 2, "bk": 128}),
+                                        ("gemm.wgmma_mc", {"split_k": 4, "cluster": 2, "bk": 128}),
+                                        ("gemm.wgmma_mc", {"split_k": 3, "cluster": 1, "bk": 128}),
                                         ("gemm.splitk_cluster_rs", {"split_k": 8})])
 def test_pdl_chain(name, knobs):
     """Programmatic dependent launch: y1 = x W1^T, then y2 = y1 W2^T on the same stream, both launched with PDL (the

@@ -146,17 +146,19 @@ def test_splitk_cluster_rs_compiles(arch):
             assert gemm_splitk_cluster_rs.compiled(*knobs[:7], int(knobs[7]), arch) is not None, knobs
 
 
-# the staged wgmma with x multicast over a cluster: both cluster sizes at every token tile, both K steps, split-K,
-# two warpgroups and PDL (knobs: warpgroups, tile_m, split_k, bk, stages, pdl, cluster)
-WGMMA_MC_SAMPLE = sorted({(1, tm, 1, bk, 4, 0, c) for tm in (8, 16, 32, 64) for bk in (64, 128) for c in (2, 4)
+# the staged wgmma with x multicast over a cluster and balanced splits: every cluster size at every token tile and
+# both K steps, every split (the uneven ones too), two warpgroups and PDL
+# (knobs: warpgroups, tile_m, split_k, bk, stages, pdl, cluster)
+WGMMA_MC_SAMPLE = sorted({(1, tm, 1, bk, 4, 0, c) for tm in (8, 16, 32, 64) for bk in (64, 128) for c in (1, 2, 4)
                           if (tm // 8) * (bk // 64) % c == 0}
-                         | {(1, 32, 4, 128, 4, 1, 4), (2, 64, 2, 64, 4, 1, 2), (1, 16, 8, 64, 6, 1, 2)})
+                         | {(1, 32, s, 128, 4, 1, 4) for s in (2, 3, 4, 6, 8, 11, 12, 16)}
+                         | {(2, 64, 2, 64, 4, 1, 2), (1, 16, 11, 64, 6, 1, 1), (2, 16, 3, 128, 2, 0, 1)})
 
 
 def test_wgmma_mc_compiles_for_hopper():
     from k3tune.kernels import gemm_wgmma_mc
 
-    assert len(WGMMA_MC_SAMPLE) >= 12
+    assert len(WGMMA_MC_SAMPLE) >= 25
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         for knobs in WGMMA_MC_SAMPLE:
