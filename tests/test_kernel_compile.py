@@ -135,17 +135,6 @@ def test_wgmma_is_hopper_only():
         gemm_wgmma.compiled(*WGMMA_SAMPLE[0], "sm_100a")
 
 
-@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
-def test_splitk_cluster_rs_compiles(arch):
-    """The staged reduce-scatter variant over the same sample as the leader-sum kernel."""
-    from k3tune.kernels import gemm_splitk_cluster_rs
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        for knobs in CLUSTER_SAMPLE:
-            assert gemm_splitk_cluster_rs.compiled(*knobs[:7], int(knobs[7]), arch) is not None, knobs
-
-
 # the staged wgmma with x multicast over a cluster and balanced splits: every cluster size at every token tile and
 # both K steps, every split (the uneven ones too), two warpgroups and PDL
 # (knobs: warpgroups, tile_m, split_k, bk, stages, pdl, cluster)
@@ -217,11 +206,13 @@ CLUSTER_SAMPLE = sorted({(1, wn, wk, tm, s, 128 if wk == 4 else 64, 3, s % 4 == 
                         | {(2, 2, 2, 32, 4, 64, 4, 1), (4, 1, 1, 16, 8, 32, 2, 0)})
 
 
+@pytest.mark.parametrize("module", ["gemm_splitk_cluster", "gemm_splitk_cluster_rs"])  # leader sum, reduce-scatter
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
-def test_splitk_cluster_compiles(arch):
-    from k3tune.kernels import gemm_splitk_cluster
+def test_splitk_cluster_compiles(arch, module):
+    import importlib
 
+    mod = importlib.import_module(f"k3tune.kernels.{module}")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         for knobs in CLUSTER_SAMPLE:
-            assert gemm_splitk_cluster.compiled(*knobs[:7], int(knobs[7]), arch) is not None, knobs
+            assert mod.compiled(*knobs[:7], int(knobs[7]), arch) is not None, knobs

@@ -74,9 +74,10 @@ class WgmmaMulticastGemm(WgmmaGemm):
         SMs (``balanced_split``), each with the largest cluster its x tile divides into and without one."""
         out = []
         for cfg in WgmmaGemm().seeds(problem):
-            split = balanced_split(problem, cfg)
-            for c in [c for c in (4, 2) if (cfg.tile_m // 8) * (cfg.bk // 64) % c == 0][:1] + [1]:
-                mc = WgmmaMcConfig(**{**dataclasses.asdict(cfg), "split_k": split}, cluster=c)
+            atoms = (cfg.tile_m // 8) * (cfg.bk // 64)  # 1 KB swizzle atoms in an x stage
+            largest = next((c for c in (4, 2) if atoms % c == 0), 1)
+            for c in dict.fromkeys((largest, 1)):
+                mc = WgmmaMcConfig(**{**dataclasses.asdict(cfg), "split_k": balanced_split(problem, cfg)}, cluster=c)
                 if self.valid(mc, problem):
                     out.append(mc)
         return list(dict.fromkeys(out))
