@@ -60,7 +60,7 @@ def _twice(fam, p, cfg, seed: int, poison=("out",)) -> dict:
 @pytest.mark.parametrize("m", MS)
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("name", ["gemm.cublas", "gemm.smallm", "gemm.splitk_tc", "gemm.wgmma", "gemm.stream",
-                                  "gemm.splitk_cluster", "gemm.wgmma_mc", "gemm.splitk_cluster_rs"])
+                                  "gemm.splitk_cluster", "gemm.wgmma_ck"])
 def test_gemm_default_numerics(name, m, n, k):
     _check(name, m, n, k)
 
@@ -82,20 +82,20 @@ def test_wgmma_space_numerics(farm, m, n, k):
 
 
 @pytest.mark.parametrize("m,n,k", [(3, 280, 7168), (17, 7168, 768), (64, 1000, 1536), (40, 1536, 7168)])
-def test_wgmma_mc_space_numerics(farm, m, n, k):
-    """The staged wgmma with x multicast and balanced splits: every 7th valid config with PDL off and every 23rd with
-    it on (odd strides: the cluster is the fastest-varying knob, every size is hit), on rows past N (280 and 1000
-    leave a partial row tile and a cluster with tiles wholly past N), tokens past M and every split, the uneven
-    ones (3, 6, 11, 12) too; each run twice on the same buffers (the ring's cluster-wide barriers are set up by
-    every launch)."""
-    fam = family("gemm.wgmma_mc")
+def test_wgmma_ck_space_numerics(farm, m, n, k):
+    """The staged wgmma with split-K over a cluster along K: every 5th valid config with PDL off and every 17th with
+    it on (odd strides: the split is among the fastest-varying knobs, every cluster size is hit), on rows past N
+    (280 and 1000 leave a partial row tile, whose owners must skip the rows past N), tokens past M and every split,
+    the uneven ones (3, 5, 6, 7) too; each run twice on the same buffers (the receive mbarrier is set up by every
+    launch)."""
+    fam = family("gemm.wgmma_ck")
     p = Problem("kda.o_proj", "gemm", (("M", m), ("N", n), ("K", k)))
     cfgs = list(fam.configs(p))
-    sample = [c for c in cfgs if not c.pdl][::7] + [c for c in cfgs if c.pdl][::23]
-    assert {c.cluster for c in sample} == {c.cluster for c in cfgs}  # every cluster size the shape admits
+    sample = [c for c in cfgs if not c.pdl][::5] + [c for c in cfgs if c.pdl][::17]
+    assert {c.split_k for c in sample} == {c.split_k for c in cfgs}  # every cluster size the shape admits
     checked = 0
     for cfg in _built_first(farm, fam.name, p, sample):
-        _twice(fam, p, cfg, 4000 + checked, poison=("out", "ws"))
+        _twice(fam, p, cfg, 4000 + checked)
         checked += 1
     assert checked >= 10, checked
 
@@ -125,13 +125,10 @@ _TMA_CONFIGS = [("gemm.stream", (1, 576, 7168), {"rows": 10, "warps": 16, "mma":
                                                 "pdl": 0}),
                 ("gemm.splitk_cluster", (17, 576, 7168), {"m_tiles": 1, "warps_n": 1, "warps_k": 4, "tile_m": 32,
                                                           "split_k": 8, "bk": 128, "stages": 6, "reduce": 0, "pdl": 1}),
-                ("gemm.wgmma_mc", (40, 1000, 1536), {"warpgroups": 1, "tile_m": 64, "split_k": 2, "bk": 64,
-                                                     "stages": 4, "pdl": 1, "cluster": 4}),
-                ("gemm.splitk_cluster_rs", (33, 560, 7168), {"m_tiles": 1, "warps_n": 2, "warps_k": 2, "tile_m": 32,
-                                                             "split_k": 8, "bk": 64, "stages": 4, "reduce": 0,
-                                                             "pdl": 1})]
+                ("gemm.wgmma_ck", (40, 1000, 1536), {"warpgroups": 1, "tile_m": 64, "split_k": 3, "bk": 64,
+                                                     "stages": 4, "pdl": 1})]
 _LOADED_MODULES = ("k3tune.kernels.gemm_stream", "k3tune.kernels.gemm_wgmma", "k3tune.kernels.gemm_splitk_cluster",
-                   "k3tune.kernels.gemm_wgmma_mc", "k3tune.kernels.gemm_splitk_cluster_rs")
+                   "k3tune.kernels.gemm_wgmma_ck")
 _BUILD_INTO_CACHE = """
 import json, sys, warnings
 warnings.simplefilter("ignore", DeprecationWarning)
@@ -251,15 +248,14 @@ def test_splitk_tc_space_sample_numerics(farm, m, n, k):
     assert checked >= 20
 
 
-@pytest.mark.parametrize("name", ["gemm.splitk_cluster", "gemm.splitk_cluster_rs"])
 @pytest.mark.parametrize("m,n,k", [(3, 280, 7168), (17, 7168, 768), (64, 1000, 1536)])
-def test_splitk_cluster_sample_numerics(name, m, n, k):
-    """The cluster-summed split-K kernels (leader sum and the staged reduce-scatter): every warp layout, token tile
+def test_splitk_cluster_sample_numerics(m, n, k):
+    """The cluster-summed split-K kernel: every warp layout, token tile
     and cluster size at one ring, PDL on every 3rd; rows past N (280, 1000), tokens past M (3, 17); each run twice on
     the same buffers (the mbarriers and the receive buffers are set up by every launch)."""
     from k3tune.kernels.gemm_splitk_tc import SplitKConfig
 
-    fam = family(name)
+    fam = family("gemm.splitk_cluster")
     p = Problem("kda.o_proj", "gemm", (("M", m), ("N", n), ("K", k)))
     cfgs = [SplitKConfig(m_tiles=1, warps_n=wn, warps_k=wk, tile_m=tm, split_k=s, bk=128 if wk == 4 else 64,
                          stages=3, reduce=0, pdl=int(i % 3 == 0))
@@ -277,10 +273,8 @@ def test_splitk_cluster_sample_numerics(name, m, n, k):
                                         ("gemm.wgmma", {"split_k": 1}), ("gemm.wgmma", {"split_k": 4}),
                                         ("gemm.stream", {"rows": 8, "warps": 4, "mma": 1}),
                                         ("gemm.splitk_cluster", {"split_k": 4}),
-                                        ("gemm.wgmma_mc", {"split_k": 1, "cluster": 2, "bk": 128}),
-                                        ("gemm.wgmma_mc", {"split_k": 4, "cluster": 2, "bk": 128}),
-                                        ("gemm.wgmma_mc", {"split_k": 3, "cluster": 1, "bk": 128}),
-                                        ("gemm.splitk_cluster_rs", {"split_k": 8})])
+                                        ("gemm.wgmma_ck", {"split_k": 3, "bk": 128}),
+                                        ("gemm.wgmma_ck", {"split_k": 8, "bk": 64})])
 def test_pdl_chain(name, knobs):
     """Programmatic dependent launch: y1 = x W1^T, then y2 = y1 W2^T on the same stream, both launched with PDL (the
     second starts while the first finishes and must wait for y1), eagerly and replayed in a CUDA graph; and the

@@ -135,36 +135,39 @@ def test_wgmma_is_hopper_only():
         gemm_wgmma.compiled(*WGMMA_SAMPLE[0], "sm_100a")
 
 
-# the staged wgmma with x multicast over a cluster and balanced splits: every cluster size at every token tile and
-# both K steps, every split (the uneven ones too), two warpgroups and PDL
-# (knobs: warpgroups, tile_m, split_k, bk, stages, pdl, cluster)
-WGMMA_MC_SAMPLE = sorted({(1, tm, 1, bk, 4, 0, c) for tm in (8, 16, 32, 64) for bk in (64, 128) for c in (1, 2, 4)
-                          if (tm // 8) * (bk // 64) % c == 0}
-                         | {(1, 32, s, 128, 4, 1, 4) for s in (2, 3, 4, 6, 8, 11, 12, 16)}
-                         | {(2, 64, 2, 64, 4, 1, 2), (1, 16, 11, 64, 6, 1, 1), (2, 16, 3, 128, 2, 0, 1)})
+# the staged wgmma with split-K over a cluster along K (knobs: warpgroups, tile_m, split_k, bk, stages, pdl): every
+# cluster size along K at every token tile, both K
+# steps and PDL, and two warpgroups (the largest staged tile and receive buffer)
+WGMMA_CK_SAMPLE = sorted({(1, tm, s, 64 if s % 2 else 128, 4, int(s % 3 == 0)) for tm in (8, 16, 32, 64)
+                          for s in (2, 3, 4, 5, 6, 7, 8)}
+                         | {(2, 64, 8, 64, 4, 1), (2, 16, 3, 128, 2, 0), (1, 8, 5, 64, 8, 1)})
 
 
-def test_wgmma_mc_compiles_for_hopper():
-    from k3tune.kernels import gemm_wgmma_mc
+def test_wgmma_ck_compiles_for_hopper():
+    from k3tune.kernels import gemm_wgmma_ck
 
-    assert len(WGMMA_MC_SAMPLE) >= 25
+    assert len(WGMMA_CK_SAMPLE) >= 30
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
-        for knobs in WGMMA_MC_SAMPLE:
-            assert gemm_wgmma_mc.compiled(*knobs, "sm_90a") is not None, knobs
+        for knobs in WGMMA_CK_SAMPLE:
+            assert gemm_wgmma_ck.compiled(*knobs, "sm_90a") is not None, knobs
 
 
-def test_wgmma_mc_is_hopper_only_and_staged():
-    """Blackwell has no wgmma (a declared CannotImplement), and the staged family is offered to no sweep."""
+def test_wgmma_ck_is_hopper_only_and_staged():
+    """Blackwell has no wgmma (a declared CannotImplement), a split that is no portable cluster is refused, and
+    the staged family is offered to no sweep."""
     from k3tune.errors import CannotImplement
-    from k3tune.kernels import STAGED, families_for, gemm_wgmma_mc
+    from k3tune.kernels import STAGED, families_for, gemm_wgmma_ck
     from k3tune.plan.problems import Problem
 
     with pytest.raises(CannotImplement, match="sm_90a"):
-        gemm_wgmma_mc.compiled(*WGMMA_MC_SAMPLE[0], "sm_100a")
-    assert "gemm.wgmma_mc" in STAGED
+        gemm_wgmma_ck.compiled(*WGMMA_CK_SAMPLE[0], "sm_100a")
+    with pytest.raises(CannotImplement, match="portable"):
+        gemm_wgmma_ck.compiled(1, 16, 16, 64, 4, 0, "sm_90a")
+    assert "gemm.wgmma_ck" in STAGED
     p = Problem("mla.q_a", "gemm", (("M", 64), ("N", 1536), ("K", 7168)))
-    assert "gemm.wgmma_mc" not in {f.name for f in families_for(p, "gpu")}
+    assert "gemm.wgmma_ck" not in {f.name for f in families_for(p, "gpu")}
+    assert STAGED["gemm.wgmma_ck"].seeds(p)  # the search starts somewhere on the shapes it was built for
 
 
 # the whole-slice streaming kernel (one binary per M, K and knob set): every row count at M = 1 and K = 7168,
@@ -206,12 +209,10 @@ CLUSTER_SAMPLE = sorted({(1, wn, wk, tm, s, 128 if wk == 4 else 64, 3, s % 4 == 
                         | {(2, 2, 2, 32, 4, 64, 4, 1), (4, 1, 1, 16, 8, 32, 2, 0)})
 
 
-@pytest.mark.parametrize("module", ["gemm_splitk_cluster", "gemm_splitk_cluster_rs"])  # leader sum, reduce-scatter
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
-def test_splitk_cluster_compiles(arch, module):
-    import importlib
+def test_splitk_cluster_compiles(arch):
+    from k3tune.kernels import gemm_splitk_cluster as mod
 
-    mod = importlib.import_module(f"k3tune.kernels.{module}")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         for knobs in CLUSTER_SAMPLE:
