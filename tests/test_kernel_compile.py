@@ -153,21 +153,20 @@ def test_wgmma_ck_compiles_for_hopper():
             assert gemm_wgmma_ck.compiled(*knobs, "sm_90a") is not None, knobs
 
 
-def test_wgmma_ck_is_hopper_only_and_staged():
+def test_wgmma_ck_is_hopper_only_and_served():
     """Blackwell has no wgmma (a declared CannotImplement), a split that is no portable cluster is refused, and
-    the staged family is offered to no sweep."""
+    the family serves the Hopper dense problems it was built for (shipped with the session-15 H200 database)."""
     from k3tune.errors import CannotImplement
-    from k3tune.kernels import STAGED, families_for, gemm_wgmma_ck
+    from k3tune.kernels import FAMILIES, families_for, gemm_wgmma_ck
     from k3tune.plan.problems import Problem
 
     with pytest.raises(CannotImplement, match="sm_90a"):
         gemm_wgmma_ck.compiled(*WGMMA_CK_SAMPLE[0], "sm_100a")
     with pytest.raises(CannotImplement, match="portable"):
         gemm_wgmma_ck.compiled(1, 16, 16, 64, 4, 0, "sm_90a")
-    assert "gemm.wgmma_ck" in STAGED
     p = Problem("mla.q_a", "gemm", (("M", 64), ("N", 1536), ("K", 7168)))
-    assert "gemm.wgmma_ck" not in {f.name for f in families_for(p, "gpu")}
-    assert STAGED["gemm.wgmma_ck"].seeds(p)  # the search starts somewhere on the shapes it was built for
+    assert "gemm.wgmma_ck" in {f.name for f in families_for(p, "gpu")}
+    assert FAMILIES["gemm.wgmma_ck"].seeds(p)  # the search starts somewhere on the shapes it was built for
 
 
 # the whole-slice streaming kernel (one binary per M, K and knob set): every row count at M = 1 and K = 7168,

@@ -28,6 +28,7 @@ __all__ = ["FAMILIES", "STAGED", "KernelConfig", "KernelFamily", "Work", "count_
 FAMILIES: dict[str, KernelFamily] = {
     f.name: f
     for f in [CublasGemm(), SmallMGemm(), SplitKTensorCoreGemm(), WgmmaGemm(), StreamGemm(), SplitKClusterGemm(),
+              WgmmaClusterKGemm(),
               KdaTorch(), KdaFused(), MlaTorch(),
               MlaSplitKv(), MoeStock(), MoeOverlap(), CpuGemm(), TpAllReduce()]
 }
@@ -37,8 +38,8 @@ FAMILIES: dict[str, KernelFamily] = {
 # probed by name (``family``) but offered to a sweep and keyed only where K3TUNE_EXTRA_FAMILIES names it
 # (comma-separated; the re-sweep that ships it), until it moves to FAMILIES with that database. (gemm.wgmma was
 # staged so until its dense re-sweep shipped, session 12; gemm.stream until session 13's; gemm.splitk_cluster until
-# session 14's.)
-STAGED: dict[str, KernelFamily] = {f.name: f for f in [WgmmaClusterKGemm()]}
+# session 14's; gemm.wgmma_ck until session 15's.)
+STAGED: dict[str, KernelFamily] = {f.name: f for f in []}
 
 
 _EXTRA_ERROR: list[str] = []  # a bad K3TUNE_EXTRA_FAMILIES, raised on first use (an import-time raise is a traceback)
