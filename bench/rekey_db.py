@@ -7,7 +7,8 @@ that code would read as stale. This rewrites the digests of those results, and o
 
 ``base``: the commit whose code the database is current under; ``target``: the commit (default: this checkout, which
 must have no uncommitted changes to the modules involved) whose digests it gets. It refuses unless every family whose
-digest differs differs only by its ``depends_on`` (module syntax trees equal once that assignment is removed), or only
+digest differs differs only by its ``depends_on`` or its docstrings and comments (module syntax trees equal once that
+assignment and the docstrings are removed: neither reaches generated code), or only
 in members that the simulated backend alone calls (``work``, ``simulate_us``) and in the ``archs`` it declares code
 for (then only measured results on a supported arch are re-keyed; simulated ones stay stale), and every module that
 was already covered is byte-identical at both commits. A result is re-keyed only if its stored
@@ -87,10 +88,14 @@ MEASURED_NEUTRAL = ("archs",)  # where a family is offered: no change on an arch
 
 
 def _without(src: str, methods: tuple[str, ...] = (), attrs: tuple[str, ...] = ()) -> str:
-    """The module's syntax tree without class-level ``depends_on`` assignments (and without the named methods and
-    class attributes)."""
+    """The module's syntax tree without docstrings (comments are not in it either), without class-level
+    ``depends_on`` assignments and without the named methods and class attributes."""
     tree = ast.parse(src)
     for node in ast.walk(tree):
+        if (isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef) and node.body
+                and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)
+                and isinstance(node.body[0].value.value, str)):
+            node.body = node.body[1:] or [ast.Pass()]
         if isinstance(node, ast.ClassDef):
             node.body = [s for s in node.body if not (
                 isinstance(s, ast.Assign | ast.AnnAssign)
