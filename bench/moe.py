@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from gemm import copy_bandwidth  # bench/gemm.py (this script runs from bench/)
 
+from k3tune.errors import ConfigError
 from k3tune.kernels import mxfp4
 from k3tune.plan import model as models
 from k3tune.plan import routing as routings
@@ -67,7 +68,7 @@ def main() -> None:
     ap.add_argument("--out", default="bench-moe.json")
     ap.add_argument("--db", default=None, help="tuning database (default: the shipped one for this GPU)")
     ap.add_argument("--model", default="kimi_k3_bf16_experts.json", help="the model whose winners are served "
-                    "(configs/; the moe.block winners are keyed by its expert format: bf16 experts by default, "
+                    "(a file name in configs/; the moe.block winners are keyed by its expert format: bf16 experts by default, "
                     "like the comparison)")
     ap.add_argument("--served-routing", choices=("uniform", "row"), default="uniform",
                     help="served blocks tuned for uniform routing, or for each row's routing (K3TUNE_ROUTING: "
@@ -221,4 +222,7 @@ def _beats(row: dict, a: str, *others: str) -> bool | None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except ConfigError as e:  # bad input (a model or database that is not there): one line, not a traceback
+        raise SystemExit(f"error: {e}") from None
