@@ -67,9 +67,9 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=15)
     ap.add_argument("--out", default="bench-moe.json")
     ap.add_argument("--db", default=None, help="tuning database (default: the shipped one for this GPU)")
-    ap.add_argument("--model", default="kimi_k3_bf16_experts.json", help="the model whose winners are served "
-                    "(a file name in configs/; the moe.block winners are keyed by its expert format: bf16 experts by default, "
-                    "like the comparison)")
+    ap.add_argument("--model", default="kimi_k3_bf16_experts.json", help="the model whose winners are served (a "
+                    "file name in configs/; the moe.block winners are keyed by its expert format: bf16 experts by "
+                    "default, like the comparison)")
     ap.add_argument("--served-routing", choices=("uniform", "row"), default="uniform",
                     help="served blocks tuned for uniform routing, or for each row's routing (K3TUNE_ROUTING: "
                          "blocks tuned for it where the database has them, else uniform's, labelled so)")
