@@ -135,9 +135,8 @@ def test_wgmma_is_hopper_only():
         gemm_wgmma.compiled(*WGMMA_SAMPLE[0], "sm_100a")
 
 
-# the staged wgmma with split-K over a cluster along K (knobs: warpgroups, tile_m, split_k, bk, stages, pdl): every
-# cluster size along K at every token tile, both K
-# steps and PDL, and two warpgroups (the largest staged tile and receive buffer)
+# gemm.wgmma_ck, split-K over a cluster along K (knobs: warpgroups, tile_m, split_k, bk, stages, pdl): every cluster
+# size at every token tile, both K steps and PDL, and two warpgroups (the largest staged tile and receive buffer)
 WGMMA_CK_SAMPLE = sorted({(1, tm, s, 64 if s % 2 else 128, 4, int(s % 3 == 0)) for tm in (8, 16, 32, 64)
                           for s in (2, 3, 4, 5, 6, 7, 8)}
                          | {(2, 64, 8, 64, 4, 1), (2, 16, 3, 128, 2, 0), (1, 8, 5, 64, 8, 1)})
@@ -210,9 +209,9 @@ CLUSTER_SAMPLE = sorted({(1, wn, wk, tm, s, 128 if wk == 4 else 64, 3, s % 4 == 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 def test_splitk_cluster_compiles(arch):
-    from k3tune.kernels import gemm_splitk_cluster as mod
+    from k3tune.kernels import gemm_splitk_cluster
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         for knobs in CLUSTER_SAMPLE:
-            assert mod.compiled(*knobs[:7], int(knobs[7]), arch) is not None, knobs
+            assert gemm_splitk_cluster.compiled(*knobs[:7], int(knobs[7]), arch) is not None, knobs
