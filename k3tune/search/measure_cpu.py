@@ -15,6 +15,10 @@ class CpuBackend:
     kind = "cpu"
 
     def __init__(self) -> None:
+        import torch  # noqa: F401  start-up, before the worker reports ready (as the GPU backend's CUDA init):
+        # imported by the first trial instead, it ran under that trial's timeout (on a loaded 2-core CI machine
+        # a crash trial read as a timeout)
+
         from k3tune.kernels.cpu_double import check_device
 
         check_device()
