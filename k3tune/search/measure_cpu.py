@@ -15,13 +15,12 @@ class CpuBackend:
     kind = "cpu"
 
     def __init__(self) -> None:
+        from k3tune.kernels.cpu_double import check_device
+
+        check_device()  # first: a 'device' that is lost fails its worker's start at once
         import torch  # noqa: F401  start-up, before the worker reports ready (as the GPU backend's CUDA init):
         # imported by the first trial instead, it ran under that trial's timeout (on a loaded 2-core CI machine
         # a crash trial read as a timeout)
-
-        from k3tune.kernels.cpu_double import check_device
-
-        check_device()
 
     def measure(self, task: Task) -> Outcome:
         import torch
