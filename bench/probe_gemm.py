@@ -6,7 +6,9 @@ work, not the sweep): every config is checked against the fp32 reference, then t
         --grid '{"m_tiles": [1, 2], "warps_n": [2, 4], "split_k": [1, 4, 8]}'
 
 Knobs missing from --grid keep the family's default for the problem. Prints one line per config and the
-best per problem, with the fraction of the roofline (bytes / measured copy bandwidth).
+best per problem, with the fraction of the roofline (bytes / measured copy bandwidth). ``--compile-procs N``
+builds every config of the grid first on N CPU processes into the disk kernel cache (the sweep's compile farm),
+so that a large grid is not timed one compile at a time.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ def main() -> None:
     ap.add_argument("--ms", default="1,8,16,64")
     ap.add_argument("--grid", default="{}", help="JSON: knob -> list of values")
     ap.add_argument("--samples", type=int, default=9)
+    ap.add_argument("--compile-procs", type=int, default=0,
+                    help="build the grid's kernels first on this many CPU processes (the disk kernel cache)")
     ap.add_argument("--profile", action="store_true",
                     help="no timing: each config (and cuBLAS) runs once eagerly in NVTX ranges profile > <name> for ncu "
                          "(ncu --clock-control none --nvtx --nvtx-include profile/ --print-nvtx-rename kernel ...)")
@@ -42,11 +46,14 @@ def main() -> None:
     sp, model = specs.load(), models.load()
     fam, cublas = family(args.family), family("gemm.cublas")
     grid = json.loads(args.grid)
+    points = [(tp, op, m, plans.Problem(op, "gemm", plans.OPS[op].dims(model, plans.Deployment(tp, m, 1, 0, 8192), sp)))
+              for tp, op, m in itertools.product([int(t) for t in args.tps.split(",")], args.ops.split(","),
+                                                 [int(x) for x in args.ms.split(",")])]
+    if args.compile_procs > 0:
+        prebuild(fam, [p for *_, p in points], grid, args.compile_procs)
     bw = copy_bandwidth()
     print(f"# {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s, family {fam.name}, grid {grid}")
-    for tp, op, m in itertools.product([int(t) for t in args.tps.split(",")], args.ops.split(","),
-                                       [int(x) for x in args.ms.split(",")]):
-        p = plans.Problem(op, "gemm", plans.OPS[op].dims(model, plans.Deployment(tp, m, 1, 0, 8192), sp))
+    for tp, op, m, p in points:
         floor = floor_us(p, bw)
         if args.profile:
             profile(cublas, p, cublas.default_config(p), f"tp{tp}/{op}/M{m}/cublas")
@@ -79,6 +86,25 @@ def configs(fam, problem, grid: dict):
             yield knobs, params, fam.config_from_params(problem, params)
         except CannotImplement:
             continue
+
+
+def prebuild(fam, problems, grid: dict, procs: int) -> None:
+    """Every grid config of every problem compiled on ``procs`` CPU processes into the disk kernel cache, which
+    this process then reads (compile_cache.install)."""
+    import time
+
+    from k3tune.kernels import compile_cache
+    from k3tune.kernels.gemm_smallm import current_arch
+    from k3tune.search.compile_farm import CompileFarm
+
+    compile_cache.install()
+    t0, n = time.perf_counter(), 0
+    with CompileFarm(procs, current_arch()) as farm:
+        for p in problems:
+            for _, params, _ in configs(fam, p, grid):
+                n += farm.submit(p, fam.name, params)
+        failed = sum(1 for f in farm.futures.values() if f.exception() is not None)
+    print(f"# built {n} kernels on {procs} processes in {time.perf_counter() - t0:.0f} s ({failed} failed)", flush=True)
 
 
 def profile(fam, problem, cfg, name: str) -> None:

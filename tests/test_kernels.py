@@ -182,6 +182,28 @@ def test_staged_family_is_buildable_by_name_but_keys_nothing_until_named(staged_
     assert k.op_digest("kda.o_proj", "gpu") != plain
 
 
+def test_block_key_covers_the_dense_kernels_it_runs(staged_registry, monkeypatch):
+    """A measured MoE block runs the selector's dense projections: a change to a dense family that may serve them
+    re-keys the block's GPU winners, but not an op that runs none (KDA decode), nor the simulated block (which
+    models its dense phases itself)."""
+    k = staged_registry
+    from k3tune.kernels.gemm_stream import StreamGemm
+
+    class Edited(StreamGemm):
+        digest = "fedcba9876543210"
+
+    ops = ("moe.block", "kda.decode", "moe.shared_w13", "kda.o_proj")
+    before = {(op, b): k.op_digest(op, b) for op in ops for b in ("gpu", "simulated")}
+    k.FAMILIES["gemm.stream"] = Edited()
+    for f in (k.op_digest, k._candidates):
+        f.cache_clear()
+    after = {(op, b): k.op_digest(op, b) for op in ops for b in ("gpu", "simulated")}
+    changed = {key for key in before if before[key] != after[key]}
+    assert ("moe.block", "gpu") in changed and ("moe.shared_w13", "gpu") in changed
+    assert ("kda.decode", "gpu") not in changed and ("moe.block", "simulated") not in changed
+    assert problems.OPS["moe.block"].runs == ("moe.router_latent", "moe.latent_up", "moe.shared_w13", "moe.shared_w2")
+
+
 def test_unknown_extra_family_is_a_clear_error(staged_registry, monkeypatch):
     from k3tune.errors import ConfigError
 

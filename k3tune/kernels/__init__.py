@@ -125,9 +125,13 @@ def op_families(op: str, backend: str) -> list[KernelFamily]:
 @functools.cache
 def op_digest(op: str, backend: str) -> str:
     """Digest of every family that may serve the op on the backend: a change to any of them, or a family
-    added or removed, makes the op's tuned winners stale."""
+    added or removed, makes the op's tuned winners stale. On a GPU an op that runs other ops' tuned kernels
+    (``OpDef.runs``: the MoE block's dense projections) also takes their digests: a dense kernel changed under
+    a block makes the block's winners stale too. (The simulated block models its dense phases itself.)"""
     parts = sorted(f"{f.name}:{f.digest}" for f in op_families(op, backend))
     parts.append(f"cutlass-dsl:{_dsl_version()}" if backend == "gpu" else "")
+    if backend == "gpu" and op in OPS:
+        parts += [f"runs {r}:{op_digest(r, backend)}" for r in OPS[op].runs]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 

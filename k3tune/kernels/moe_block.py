@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass
 
 from k3tune.kernels.base import KernelConfig, KernelFamily, Work
-from k3tune.plan import routing
+from k3tune.plan import links, routing
 from k3tune.plan.problems import Problem
 
 MIB = 1 << 20
@@ -51,7 +51,7 @@ def _gemm_work(m: int, n: int, k: int, ctas: int, inflight: int, tensor: bool, l
 
 def allreduce_us(problem: Problem, hw) -> float:
     tp, m, h = problem["tp"], problem["M"], problem["hidden"]
-    return 4.0 + 2 * (tp - 1) / tp * m * h * 2 / (hw.nvlink_gbps * 1e9) * 1e6
+    return links.LATENCY_US + 2 * (tp - 1) / tp * m * h * 2 / (hw.nvlink_gbps * 1e9) * 1e6
 
 
 class _BlockOnGpu:
@@ -61,7 +61,7 @@ class _BlockOnGpu:
     the dense kernels it will be served with, and those come from the tuning database through the runtime
     selector; so measuring a block builds the runtime's executor (imported lazily, at measurement time)."""
     depends_on = ("k3tune.kernels.moe_experts", "k3tune.kernels.moe_experts_tc", "k3tune.kernels.l2_prefetch",
-                  "k3tune.runtime.moe", "k3tune.runtime.partition", "k3tune.kernels.mxfp4", "k3tune.plan.hardware")
+                  "k3tune.runtime.moe", "k3tune.runtime.partition", "k3tune.kernels.mxfp4", "k3tune.plan.links")
 
     def runs_on(self, problem: Problem, backend: str) -> bool:
         # MXFP4 on a GPU: the tuned path's tensor-core kernels; the stock path runs bf16 only
@@ -99,8 +99,8 @@ class _BlockOnGpu:
         from k3tune.runtime.moe import EmulatedComm, MoEBlock
 
         found = hardware.detect()
-        hw = found[1] if found else None  # collectives: stand-ins timed by this GPU's own NVLink (its spec)
-        comm = EmulatedComm(problem["tp"], hw.nvlink_gbps, 4.0, hw.name) if hw else EmulatedComm(problem["tp"])
+        hw = found[1] if found else None  # collectives: stand-ins timed by this GPU's own NVLink (plan.links)
+        comm = EmulatedComm.for_target(hw.key, problem["tp"]) if hw else EmulatedComm(problem["tp"])
         blocks: dict = {}
 
         def run(inputs: dict):

@@ -75,6 +75,9 @@ class OpDef:
     layer: str  # "kda", "mla" or "moe": which layers run it
     dims: Callable[[ModelConfig, Deployment, SweepSpec], tuple]
     opt_in: bool = False  # tuned only by specs that name it (a collective needs a TP group of GPUs)
+    # other ops whose tuned kernels this op runs when it is measured on a GPU (the MoE block runs the dense
+    # projections the selector picks): their keys are part of this op's key (k3tune.kernels.op_digest)
+    runs: tuple[str, ...] = ()
 
 
 def _m(dep: Deployment, spec: SweepSpec) -> int:
@@ -127,7 +130,8 @@ OPS: dict[str, OpDef] = {
             ("latent", c.latent), ("inter", _per_rank(c.moe_intermediate, d.tp, "the expert width")),
             ("shared_inter", _per_rank(c.shared_intermediate, d.tp, "the shared-expert width")),
             ("hidden", c.hidden), ("format", c.expert_weight_format),
-            ("routing", routing.canonical_cached(s.routing, c.num_experts, c.top_k)))),
+            ("routing", routing.canonical_cached(s.routing, c.num_experts, c.top_k))),
+              runs=("moe.router_latent", "moe.latent_up", "moe.shared_w13", "moe.shared_w2")),
         # the KDA o_proj's partial sums all-reduced over the TP group of ``group`` GPUs, the residual added
         # and the next RMSNorm applied (the MoE block's input): measured on a real group of that size
         OpDef("tp.allreduce", "allreduce", "kda", lambda c, d, s: (

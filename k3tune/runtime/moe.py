@@ -213,12 +213,13 @@ class EmulatedComm:
             self.label = f"emulated (tp={tp}, no link time)"
 
     @classmethod
-    def for_target(cls, hardware: str, tp: int, latency_us: float = 4.0) -> EmulatedComm:
-        """Stand-ins timed by a hardware model's NVLink bandwidth (k3tune.plan.hardware)."""
+    def for_target(cls, hardware: str, tp: int, latency_us: float | None = None) -> EmulatedComm:
+        """Stand-ins timed by a hardware model's NVLink (k3tune.plan.links; ``latency_us`` defaults to its)."""
+        from k3tune.plan import links
         from k3tune.plan.hardware import spec
 
         hw = spec(hardware)
-        return cls(tp, hw.nvlink_gbps, latency_us, hw.name)
+        return cls(tp, links.nvlink_gbps(hw.key), links.LATENCY_US if latency_us is None else latency_us, hw.name)
 
     def stand_in_us(self, nbytes: int, ring_factor: float) -> float:
         if self.tp == 1 or self.link_gbps <= 0:
