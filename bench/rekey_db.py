@@ -50,7 +50,8 @@ def op_families(op, b):  # kernels.op_families, for commits from before it exist
 print(json.dumps({
     "families": {n: {"digest": f.digest, "module": type(f).__module__, "depends_on": list(f.depends_on),
                      "archs": list(getattr(f, "archs", None) or []) or None} for n, f in fams.items()},
-    "ops": {f"{op}|{b}": {"digest": kernels.op_digest(op, b), "families": [f.name for f in op_families(op, b)]}
+    "ops": {f"{op}|{b}": {"digest": kernels.op_digest(op, b), "families": [f.name for f in op_families(op, b)],
+                          "runs": list(getattr(OPS[op], "runs", ()))}
             for op in OPS for b in ("gpu", "simulated", "cpu")}}))
 """
 
@@ -142,13 +143,28 @@ def plan(base: str, target: str | None) -> dict:
         fams[name] = {"old": o["digest"], "new": n["digest"], "added": added, "scope": scope, "archs": n["archs"]}
     ops = {k: {"old": old["ops"][k]["digest"], "new": v["digest"], "families": v["families"]}
            for k, v in new["ops"].items() if k in old["ops"] and old["ops"][k]["digest"] != v["digest"]}
+    check_ops(old, new, ops, fams)
+    return {"families": fams, "ops": ops}
+
+
+def check_ops(old: dict, new: dict, ops: dict, fams: dict) -> None:
+    """Every changed op digest must be explained by a widening: one of its families re-keyed (``fams``), or, for an
+    op that runs other ops' tuned kernels (``runs``: the MoE block's dense projections), one of those ops re-keyed.
+    A digest that changed otherwise (the ``runs`` list itself widened, say) may cover results measured with other
+    kernels than the key now names: refused."""
     for k, v in ops.items():
-        changed = set(v["families"]) ^ set(old["ops"][k]["families"])
+        o = old["ops"][k]
+        changed = set(v["families"]) ^ set(o["families"])
         if changed:
             raise RekeyError(f"op {k}: families {sorted(changed)} added or removed: re-sweep it")
         if any(old["families"][f]["digest"] != new["families"][f]["digest"] and f not in fams for f in v["families"]):
             raise RekeyError(f"op {k}: a family changed that is not a widening")
-    return {"families": fams, "ops": ops}
+        runs, backend = new["ops"][k].get("runs", []), k.rsplit("|", 1)[1]
+        if runs != o.get("runs", []):
+            raise RekeyError(f"op {k}: the ops it runs changed ({o.get('runs', [])} -> {runs}): its results may have "
+                             "run other kernels: re-sweep it")
+        if not any(f in fams for f in v["families"]) and not any(f"{r}|{backend}" in ops for r in runs):
+            raise RekeyError(f"op {k}: its key changed but none of its families nor the ops it runs did: re-sweep it")
 
 
 def _created(value) -> datetime:

@@ -18,12 +18,18 @@ NEUTRAL = {"k3tune.errors", "k3tune.kernels", "k3tune.kernels.base", "k3tune.ker
            "k3tune.plan.problems", "k3tune.plan.routing"}
 # names that only detect the arch or wrap a tensor or stream for a launch
 PLUMBING = {("k3tune.kernels.gemm_smallm", "current_arch"), ("k3tune.kernels.moe_experts", "_t"),
-            ("k3tune.kernels.moe_experts", "_stream")}
+            ("k3tune.kernels.moe_experts", "_stream"),
+            ("k3tune.plan.hardware", "spec")}  # a spec by its key: the block's link figures are in plan.links
 # gaps found in session 12 (NOTES.md): closing one re-keys the winners it covers, so it lands with their re-sweep or
 # with bench/rekey_db.py where those winners provably ran the code the wider key covers (gemm_common, mxfp4 and the
 # hardware model were closed so)
-KNOWN_UNKEYED = {"moe.stock": {"k3tune.runtime.selector"},  # which dense kernels the block runs (the real dependency
-                 "moe.overlap": {"k3tune.runtime.selector"}}  # is the served dense table, not the selector's source)
+# The blocks' plan.hardware (session 16): moe_block imports the module only to detect the GPU and name its spec key
+# (the link figures the stand-ins are timed by moved to plan.links, which is keyed); the import becomes a plumbing name
+# (``detect``) at the next block re-sweep.
+KNOWN_UNKEYED = {"moe.stock": {"k3tune.runtime.selector",  # which dense kernels the block runs: the real dependency
+                               "k3tune.plan.hardware"},  # is the served dense table (its kernels' code is keyed
+                                                         # through OpDef.runs, their winners are not)
+                 "moe.overlap": {"k3tune.runtime.selector", "k3tune.plan.hardware"}}
 
 
 def _imports(module: str) -> set[tuple[str, str]]:
@@ -143,6 +149,29 @@ def test_rekey_reproduces_the_shipped_rekey_and_leaves_doubtful_results_stale(tm
     mine = _digests(db)
     differ = {k for k in shipped if shipped[k] != mine[k]}
     assert len(differ) == 2 and len(shipped) == len(mine) == 270  # all but the two doubtful ones as shipped
+
+
+def test_rekey_of_an_op_that_runs_others_needs_them_rekeyed():
+    """The MoE block's key takes its dense ops' digests: a block digest changed by a re-keyed dense op is re-keyed with
+    it, but one changed by a widened ``runs`` list (its winners may have run other dense kernels) is refused."""
+    mod = _rekey_module(history=False)
+
+    def keys(block_runs, dense_digest, block_digest):
+        return {"families": {"moe.overlap": {"digest": "b0"}, "gemm.stream": {"digest": dense_digest}},
+                "ops": {"moe.block|gpu": {"digest": block_digest, "families": ["moe.overlap"], "runs": block_runs},
+                        "moe.shared_w13|gpu": {"digest": dense_digest + "op", "families": ["gemm.stream"], "runs": []}}}
+
+    old, new = keys(["moe.shared_w13"], "d0", "k0"), keys(["moe.shared_w13"], "d1", "k1")
+    fams = {"gemm.stream": {"old": "d0", "new": "d1"}}
+    changed = {k: {"old": old["ops"][k]["digest"], "new": v["digest"], "families": v["families"]}
+               for k, v in new["ops"].items()}
+    mod.check_ops(old, new, changed, fams)  # explained by the dense family's widening
+    with pytest.raises(mod.RekeyError, match="none of its families nor the ops it runs"):
+        mod.check_ops(old, keys(["moe.shared_w13"], "d0", "k1"),
+                      {"moe.block|gpu": changed["moe.block|gpu"]}, {})
+    with pytest.raises(mod.RekeyError, match="the ops it runs changed"):
+        mod.check_ops(keys([], "d0", "k0"), keys(["moe.shared_w13"], "d0", "k1"),
+                      {"moe.block|gpu": changed["moe.block|gpu"]}, {})
 
 
 def test_rekey_refuses_a_real_kernel_change():
