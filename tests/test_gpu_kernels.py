@@ -60,7 +60,7 @@ def _twice(fam, p, cfg, seed: int, poison=("out",)) -> dict:
 @pytest.mark.parametrize("m", MS)
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("name", ["gemm.cublas", "gemm.smallm", "gemm.splitk_tc", "gemm.wgmma", "gemm.stream",
-                                  "gemm.splitk_cluster", "gemm.wgmma_ck", "gemm.wgmma_sk"])
+                                  "gemm.splitk_cluster", "gemm.wgmma_ck"])
 def test_gemm_default_numerics(name, m, n, k):
     if _check(name, m, n, k) is None:
         pytest.skip(f"{name} does not implement M={m}, N={n}, K={k}")
@@ -101,27 +101,6 @@ def test_wgmma_ck_space_numerics(farm, m, n, k):
     assert checked >= 10, checked
 
 
-@pytest.mark.parametrize("m,n,k", [(3, 280, 7168), (17, 7168, 768), (64, 1000, 1536), (16, 1536, 7168)])
-def test_wgmma_sk_space_numerics(farm, m, n, k):
-    """The staged wgmma with split-K summed by each tile's last CTA: the first valid config of every split (2-16,
-    the uneven ones too) and every 9th config, on rows past N (280, 1000), tokens past M (3, 17) and full tiles;
-    each run twice on the same buffers with the output and the workspace poisoned (the arrival counters must be
-    back at 0 after a launch, and no partial of an earlier launch may pass for this one's)."""
-    fam = family("gemm.wgmma_sk")
-    p = Problem("kda.o_proj", "gemm", (("M", m), ("N", n), ("K", k)))
-    cfgs = list(fam.configs(p))
-    first = {}
-    for c in cfgs:
-        first.setdefault(c.split_k, c)
-    sample = list(dict.fromkeys([*first.values(), *cfgs[::9]]))
-    assert {c.split_k for c in sample} == {c.split_k for c in cfgs} and len(first) >= 5
-    checked = 0
-    for cfg in _built_first(farm, fam.name, p, sample):
-        _twice(fam, p, cfg, 5000 + checked, poison=("out", "ws"))
-        checked += 1
-    assert checked >= 20, checked
-
-
 @pytest.mark.parametrize("m,n,k,every", [(3, 280, 7168, 1), (1, 576, 7168, 1), (8, 1536, 7168, 1),
                                          (8, 1000, 1536, 1), (7, 576, 7168, 2), (5, 1536, 7168, 2), (2, 7, 1536, 1)])
 def test_stream_space_numerics(m, n, k, every):
@@ -148,11 +127,9 @@ _TMA_CONFIGS = [("gemm.stream", (1, 576, 7168), {"rows": 10, "warps": 16, "mma":
                 ("gemm.splitk_cluster", (17, 576, 7168), {"m_tiles": 1, "warps_n": 1, "warps_k": 4, "tile_m": 32,
                                                           "split_k": 8, "bk": 128, "stages": 6, "reduce": 0, "pdl": 1}),
                 ("gemm.wgmma_ck", (40, 1000, 1536), {"warpgroups": 1, "tile_m": 64, "split_k": 3, "bk": 64,
-                                                     "stages": 4, "pdl": 1}),
-                ("gemm.wgmma_sk", (40, 1000, 1536), {"warpgroups": 1, "tile_m": 64, "split_k": 5, "bk": 64,
                                                      "stages": 4, "pdl": 1})]
 _LOADED_MODULES = ("k3tune.kernels.gemm_stream", "k3tune.kernels.gemm_wgmma", "k3tune.kernels.gemm_splitk_cluster",
-                   "k3tune.kernels.gemm_wgmma_ck", "k3tune.kernels.gemm_wgmma_sk")
+                   "k3tune.kernels.gemm_wgmma_ck")
 _BUILD_INTO_CACHE = """
 import json, sys, warnings
 warnings.simplefilter("ignore", DeprecationWarning)
@@ -298,9 +275,7 @@ def test_splitk_cluster_sample_numerics(m, n, k):
                                         ("gemm.stream", {"rows": 8, "warps": 4, "mma": 1}),
                                         ("gemm.splitk_cluster", {"split_k": 4}),
                                         ("gemm.wgmma_ck", {"split_k": 3, "bk": 128}),
-                                        ("gemm.wgmma_ck", {"split_k": 8, "bk": 64}),
-                                        ("gemm.wgmma_sk", {"split_k": 4, "bk": 128}),
-                                        ("gemm.wgmma_sk", {"split_k": 6, "bk": 64})])
+                                        ("gemm.wgmma_ck", {"split_k": 8, "bk": 64})])
 def test_pdl_chain(name, knobs):
     """Programmatic dependent launch: y1 = x W1^T, then y2 = y1 W2^T on the same stream, both launched with PDL (the
     second starts while the first finishes and must wait for y1), eagerly and replayed in a CUDA graph; and the

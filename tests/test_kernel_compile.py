@@ -152,38 +152,6 @@ def test_wgmma_ck_compiles_for_hopper():
             assert gemm_wgmma_ck.compiled(*knobs, "sm_90a") is not None, knobs
 
 
-# gemm.wgmma_sk (staged), split-K summed by each tile's last CTA (knobs as gemm.wgmma's, splits 2-16): every split at
-# a token tile of 8 or 16, both K steps and PDL, and the widest tiles
-WGMMA_SK_SAMPLE = sorted({(1, 8 if s % 2 else 16, s, 64 if s % 3 else 128, 6 if s < 8 else 4, int(s % 2 == 0))
-                          for s in (2, 3, 4, 5, 6, 7, 8, 10, 11, 12, 14, 16)}
-                         | {(2, 64, 4, 64, 4, 1), (1, 64, 16, 64, 2, 0), (2, 16, 11, 128, 2, 1)})
-
-
-def test_wgmma_sk_compiles_for_hopper_and_is_staged():
-    """Every split of the staged last-CTA split-K wgmma compiles for sm_90a; Blackwell (no wgmma) and a split outside
-    its list are declared CannotImplement; staged, it is offered to no sweep and keys nothing unless named."""
-    from k3tune.errors import CannotImplement
-    from k3tune.kernels import FAMILIES, STAGED, gemm_wgmma_sk
-    from k3tune.kernels.gemm_wgmma import smem_bytes
-    from k3tune.plan.problems import Problem
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        for knobs in WGMMA_SK_SAMPLE:
-            assert gemm_wgmma_sk.compiled(*knobs, "sm_90a") is not None, knobs
-    with pytest.raises(CannotImplement, match="sm_90a"):
-        gemm_wgmma_sk.compiled(*WGMMA_SK_SAMPLE[0], "sm_100a")
-    with pytest.raises(CannotImplement, match="split 9"):
-        gemm_wgmma_sk.compiled(1, 16, 9, 64, 4, 0, "sm_90a")
-    assert "gemm.wgmma_sk" in STAGED and "gemm.wgmma_sk" not in FAMILIES
-    p = Problem("mla.q_a", "gemm", (("M", 16), ("N", 1536), ("K", 7168)))
-    fam = STAGED["gemm.wgmma_sk"]
-    assert fam.can_implement(p) and not fam.can_implement(Problem("mla.q_a", "gemm", (("M", 65), ("N", 1536),
-                                                                                        ("K", 7168))))
-    deep = [c for c in fam.seeds(p) if smem_bytes(c) > 227 * 1024 // 2]  # rings that leave one CTA per SM
-    assert deep and deep[0].split_k == 5  # 24 row tiles: 120 CTAs fill the 132 SMs best in one wave
-
-
 def test_wgmma_ck_is_hopper_only_and_served():
     """Blackwell has no wgmma (a declared CannotImplement), a split that is no portable cluster is refused, and
     the family serves the Hopper dense problems it was built for (shipped with the session-15 H200 database)."""

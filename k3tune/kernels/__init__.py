@@ -17,7 +17,6 @@ from k3tune.kernels.gemm_splitk_tc import SplitKTensorCoreGemm
 from k3tune.kernels.gemm_stream import StreamGemm
 from k3tune.kernels.gemm_wgmma import WgmmaGemm
 from k3tune.kernels.gemm_wgmma_ck import WgmmaClusterKGemm
-from k3tune.kernels.gemm_wgmma_sk import WgmmaSplitKGemm
 from k3tune.kernels.kda_decode import KdaFused, KdaTorch
 from k3tune.kernels.mla_decode import MlaSplitKv, MlaTorch
 from k3tune.kernels.moe_block import MoeOverlap, MoeStock
@@ -40,7 +39,7 @@ FAMILIES: dict[str, KernelFamily] = {
 # (comma-separated; the re-sweep that ships it), until it moves to FAMILIES with that database. (gemm.wgmma was
 # staged so until its dense re-sweep shipped, session 12; gemm.stream until session 13's; gemm.splitk_cluster until
 # session 14's; gemm.wgmma_ck until session 15's.)
-STAGED: dict[str, KernelFamily] = {f.name: f for f in [WgmmaSplitKGemm()]}  # session 16: GPU numerics first
+STAGED: dict[str, KernelFamily] = {}  # none now (session 16's gemm.wgmma_sk was refuted and removed)
 
 
 _EXTRA_ERROR: list[str] = []  # a bad K3TUNE_EXTRA_FAMILIES, raised on first use (an import-time raise is a traceback)

@@ -27,7 +27,7 @@ from k3tune.plan.problems import Problem
 
 # families whose build() compiles its kernel from the problem and the config alone (no GPU memory needed)
 FARMED = frozenset({"gemm.smallm", "gemm.splitk_tc", "gemm.stream", "gemm.wgmma", "gemm.splitk_cluster",
-                    "gemm.wgmma_ck", "gemm.wgmma_sk"})
+                    "gemm.wgmma_ck"})
 
 
 def _init(arch: str) -> None:
