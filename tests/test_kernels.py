@@ -182,7 +182,7 @@ def test_staged_family_is_buildable_by_name_but_keys_nothing_until_named(staged_
     assert k.op_digest("kda.o_proj", "gpu") != plain
 
 
-def test_block_key_covers_the_dense_kernels_it_runs(staged_registry, monkeypatch):
+def test_block_key_covers_the_dense_kernels_it_runs(staged_registry):
     """A measured MoE block runs the selector's dense projections: a change to a dense family that may serve them
     re-keys the block's GPU winners, but not an op that runs none (KDA decode), nor the simulated block (which
     models its dense phases itself)."""
