@@ -16,7 +16,7 @@ from importlib.metadata import PackageNotFoundError, distributions, version
 _CODE = {  # the modules whose source decides the number a backend records
     "gpu": ("k3tune.search.measure_gpu", "k3tune.search.outcome"),
     "cpu": ("k3tune.search.measure_cpu", "k3tune.search.outcome"),
-    "simulated": ("k3tune.search.simulate", "k3tune.search.outcome", "k3tune.plan.hardware"),
+    "simulated": ("k3tune.search.simulate", "k3tune.search.outcome", "k3tune.plan.hardware", "k3tune.plan.links"),
     "collective": ("k3tune.search.measure_collective", "k3tune.search.outcome"),
 }
 _LIBS = {"gpu": ("torch", "nvidia-cublas"), "cpu": ("torch",), "simulated": (),
