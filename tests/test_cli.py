@@ -130,6 +130,25 @@ def test_verify_reports_a_truncated_database(tmp_path, capsys):
     assert not out["ok"] and any(w in out["integrity"][0] for w in ("malformed", "btreeInitPage", "never used"))
 
 
+def test_verify_names_the_ops_whose_winners_are_stale(tmp_path, capsys):
+    """A winner whose key no longer matches fails verify, and verify says which op it belongs to (a dense kernel
+    changed under an MoE block makes the block's winners stale too: the count per op tells the two apart)."""
+    import sqlite3
+
+    db = _smoke_db(tmp_path / "s.sqlite", capsys)
+    with sqlite3.connect(db) as c:
+        (op,) = c.execute("SELECT p.op FROM winners w JOIN problems p ON p.id = w.problem_id LIMIT 1").fetchone()
+        c.execute("UPDATE winners SET op_digest = 'stale0000000000' WHERE problem_id IN "
+                  "(SELECT id FROM problems WHERE op = ?)", (op,))
+        n = c.execute("SELECT count(*) FROM winners w JOIN problems p ON p.id = w.problem_id WHERE p.op = ?",
+                      (op,)).fetchone()[0]
+    assert main(["db", "verify", str(db), "--spec", "smoke", "--json"]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert not out["ok"] and out["stale_by_op"] == {op: n} and len(out["stale"]) == n
+    assert main(["db", "verify", str(db), "--spec", "smoke"]) == 1
+    assert f"stale winners: {n} ({op} {n})" in capsys.readouterr().out
+
+
 def test_newer_schema_via_cli(tmp_path, capsys):
     import sqlite3
 

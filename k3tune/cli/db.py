@@ -65,7 +65,9 @@ def verify(db: DbArg = None, spec: SpecOption = None, config: ConfigOption = Non
     else:
         console.print(f"integrity: {', '.join(v.integrity) or 'n/a'}; schema {v.schema} "
                       f"({'current' if v.schema_ok else 'needs k3tune db upgrade'}); {v.winners} winners")
-        console.print(f"stale winners: {len(v.stale)}; parameters outside the space: {len(v.out_of_space)}")
+        by_op = ", ".join(f"{op} {n}" for op, n in sorted(v.stale_by_op.items()))
+        console.print(f"stale winners: {len(v.stale)}{f' ({by_op})' if by_op else ''}; "
+                      f"parameters outside the space: {len(v.out_of_space)}")
         for hw, c in v.coverage.items():
             console.print(f"coverage of spec {sp.name} on {hw}: {c['covered']}/{c['total']}")
         console.print("[green]OK[/]" if v.ok else "[red]NOT OK[/]")
