@@ -47,7 +47,7 @@ class Verification:
     schema_ok: bool
     winners: int = 0
     stale: list[str] = field(default_factory=list)
-    stale_by_op: dict[str, int] = field(default_factory=dict)  # which ops' keys moved (a block's: its dense ops too)
+    stale_by_op: Counter = field(default_factory=Counter)  # which ops' keys moved (a block's: its dense ops too)
     out_of_space: list[str] = field(default_factory=list)
     coverage: dict[str, dict] = field(default_factory=dict)  # hardware class -> {covered, total, missing}
 
@@ -79,7 +79,7 @@ def verify(db: Database, plan: plans.Plan | None = None) -> Verification:
         v.winners += 1
         if not is_current(p.op, w.op_digest, w.backend.value):
             v.stale.append(f"{h.class_key} {p.key}")
-            v.stale_by_op[p.op] = v.stale_by_op.get(p.op, 0) + 1
+            v.stale_by_op[p.op] += 1
             continue
         problem = plans.Problem(p.op, p.kind, tuple(p.dims.items()))
         try:
