@@ -11,7 +11,8 @@
 # shipped winners were tuned with). With N=1 the two benches run one after the other on GPU 0. START_DB=file.sqlite.xz
 # resumes a sweep that a time limit cut short (its $OUT/sweep.sqlite.xz, carried as an untracked file); BENCH=0 stops
 # after the sweep's export (the resuming call benches). Failing GPU tests stop the call before the sweep. SPEC may name
-# several specs (space-separated), swept one after the other into the same DB: the MoE block specs, e.g.
+# several specs (space-separated), swept one after the other into the same DB (a block spec's blocks run the dense
+# kernels that DB holds: put the dense spec first; a spec that does not finish stops the rest), e.g.
 #   SPEC="configs/sweep_h200_moe_bf16.toml configs/sweep_h200_moe_bf16_zipf.toml" SWEEP_S=270 BENCH=0 bash bench/resweep_compare.sh 1
 set -uo pipefail
 source .carry/cutedsl/unpack.sh || exit 1
@@ -31,7 +32,10 @@ cache=$(mktemp -d)  # one kernel cache for every spec's workers
 for spec in ${SPEC:-configs/sweep_h200_dense.toml}; do  # one after the other into the same DB, SWEEP_S each
   K3TUNE_KERNEL_CACHE=$cache K3TUNE_WORKER_KERNEL_CACHE=1 timeout ${SWEEP_S:-240} python3 bench/device_sweep.py \
     --spec $spec --db /tmp/sweep.sqlite --gpus $N --compile-procs ${COMPILE_PROCS:-29} >> $OUT/sweep.log 2>&1
-  echo "sweep $spec rc=$?"
+  rc=$?; echo "sweep $spec rc=$rc"
+  # a spec cut short leaves problems undecided: the MoE block specs after it measure the dense kernels that
+  # /tmp/sweep.sqlite holds (the workers' K3TUNE_SERVE_DB), so they wait for a resuming call (START_DB)
+  [ $rc = 0 ] || { echo "stopped: $spec did not finish; resume with START_DB=<this call's sweep.sqlite.xz>"; break; }
 done
 grep -E '"(trials|seconds|failed|problems_done|polish_passes|polish_changed|polish_s|polish_plan_s|polish_build_s|worker_build_s)"' $OUT/sweep.log
 xz -T0 -c /tmp/sweep.sqlite > $OUT/sweep.sqlite.xz  # every trial, for the notebook (the export keeps winners only)

@@ -15,6 +15,9 @@ class Settings:
     ci: bool  # CI=true: tests that need PostgreSQL fail instead of skipping
     routing: str | None  # K3TUNE_ROUTING: the expert routing the served MoE block is tuned for (uniform, zipf:S, trace:F)
     extra_families: tuple[str, ...] = ()  # K3TUNE_EXTRA_FAMILIES=a,b: staged kernel families to offer and key too
+    # K3TUNE_SERVE_DB: the database the runtime selector reads instead of the shipped one for this GPU (a sweep
+    # sets it for its workers, so that a measured MoE block runs the dense kernels the sweep chose)
+    serve_db: str | None = None
 
     @property
     def default_db(self) -> str:
@@ -33,4 +36,5 @@ def load() -> Settings:
         ci=_flag("CI"),
         routing=os.environ.get("K3TUNE_ROUTING") or None,
         extra_families=tuple(filter(None, (n.strip() for n in os.environ.get("K3TUNE_EXTRA_FAMILIES", "").split(",")))),
+        serve_db=os.environ.get("K3TUNE_SERVE_DB") or None,
     )

@@ -147,3 +147,13 @@ def test_the_block_serves_the_routing_it_is_told(smoke_db, tmp_path, monkeypatch
     tuned = Selector.load(both, simulated="gb300", routing="zipf:1.2").lookup("moe.block", tp=16, batch=8)
     assert tuned.source == "simulated" and tuned.problem == tuned.tuned_problem == c.problem
     assert Selector.load(both, simulated="gb300").lookup("moe.block", tp=16, batch=8).tuned_problem == c.tuned_problem
+
+
+def test_serve_db_from_the_environment_replaces_the_shipped_one(smoke_db, monkeypatch):
+    """K3TUNE_SERVE_DB (what a GPU sweep gives the workers that measure MoE blocks): with no database named, the
+    selector reads that one instead of the shipped database; a database named in the call still wins."""
+    assert Selector.load(simulated="gb300").lookup("kda.o_proj", 16, 8).source == "heuristic default"  # none shipped
+    monkeypatch.setenv("K3TUNE_SERVE_DB", str(smoke_db))
+    assert Selector.load(simulated="gb300").lookup("kda.o_proj", 16, 8).source == "simulated"
+    monkeypatch.setenv("K3TUNE_SERVE_DB", str(smoke_db) + ".missing")
+    assert Selector.load(smoke_db, simulated="gb300").lookup("kda.o_proj", 16, 8).source == "simulated"

@@ -1,6 +1,7 @@
 """Search: the per-problem strategy on recorded timings, the simulated backend, real worker processes
 that crash, hang or fail, and sweeps that resume without duplicates."""
 
+import dataclasses
 import json
 import os
 import signal
@@ -804,3 +805,34 @@ def test_redecide_db_refuses_bad_input_in_one_line(tmp_path):
                              text=True)
         assert out.returncode != 0 and message in out.stderr and len(out.stderr.strip().splitlines()) == 1, out
     assert compact.read_bytes() == before
+
+
+def test_ops_that_run_others_kernels_are_swept_after_them_against_what_they_stored(tmp_path):
+    """A phased sweep (the GPU backend's way: its MoE blocks run the dense kernels the selector picks) decides the
+    dense ops a block runs first, in their own run, then the blocks; ``unmet_runs``, the check that refuses a GPU
+    block sweep before anything is measured, finds every block's dense lookups missing in an empty database and
+    none once the first phase has stored them."""
+    from k3tune.store import records
+    from k3tune.store.models import Backend, ProblemRow
+
+    sp = spec.from_dict({"matrix": {"tp": [16], "batch": [1, 8], "ops": [
+        "moe.router_latent", "moe.latent_up", "moe.shared_w13", "moe.shared_w2", "moe.block"]},
+        "buckets": {"tokens": [1, 8], "batch": [1, 8], "query_len": [1]},
+        "search": {"budget": 4, "samples": 3, "remeasure_top": 1, "polish": 0}})
+    db = store_db.open_db(str(tmp_path / "phased.sqlite"))
+    blocks = [p for p in driver.plans.build(sp, model.load()).problems if p.op == "moe.block"]
+    with db.session() as s:
+        hw_id = records.hardware_id(s, hardware.simulated_fingerprint(GB300))
+    gaps = driver.unmet_runs(db, hw_id, Backend.simulated, "simulated", blocks)
+    assert len(gaps) == 2 * 4 and all(g.startswith("moe.block[") and " -> moe." in g for g in gaps), gaps
+
+    stats = run_sweep(dataclasses.replace(_opts(db, sp, workers=2), phased=True))
+    assert stats.problems_done == stats.problems_total == 2 * 5 and not stats.no_winner
+    with db.session() as s:
+        runs = dict(s.execute(select(ProblemRow.op, func.max(Winner.run_id)).join(Winner, Winner.problem_id == ProblemRow.id)
+                              .group_by(ProblemRow.op)).all())
+        first = dict(s.execute(select(ProblemRow.op, func.min(Trial.run_id)).join(Trial, Trial.problem_id == ProblemRow.id)
+                               .group_by(ProblemRow.op)).all())
+    dense = {op: r for op, r in runs.items() if op != "moe.block"}
+    assert len(dense) == 4 and first["moe.block"] > max(dense.values()), (runs, first)  # blocks began after
+    assert driver.unmet_runs(db, hw_id, Backend.simulated, "simulated", blocks) == []

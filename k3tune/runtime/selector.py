@@ -109,7 +109,8 @@ class Selector:
              model: models.ModelConfig | None = None, routing: str | None = None) -> Selector:
         """Load winners for this hardware. ``simulated='gb300'`` serves that simulated hardware's winners
         (labelled simulated); ``measured_on='h200'`` the measured winners of that GPU found in ``db`` (to
-        inspect a database elsewhere); otherwise the detected GPU's measured winners (or ``fingerprint``'s).
+        inspect a database elsewhere); otherwise the detected GPU's measured winners (or ``fingerprint``'s), from
+        ``db``, else ``$K3TUNE_SERVE_DB`` (what a sweep's workers read), else the database shipped for that GPU.
         ``routing`` (default ``$K3TUNE_ROUTING``, else the spec's): the expert routing the MoE block serves,
         e.g. ``zipf:1.2``; blocks tuned for it are served, else those tuned for uniform routing (labelled so)."""
         gc_was_on = gc.isenabled()
@@ -135,7 +136,7 @@ class Selector:
                 found = hardware.detect()
                 fingerprint = found[0] if found else None
             fp = fingerprint
-        path = db if db is not None else shipped_db_for(fp)
+        path = db if db is not None else (settings.load().serve_db or shipped_db_for(fp))
         if fp is None:
             sel._warn("no GPU detected and no hardware given: serving heuristic defaults")
         elif path is None:

@@ -7,10 +7,17 @@ several machines can share one sweep (PostgreSQL) without overlap; a dead owner'
 
 Once every problem is decided, polish passes (k3tune.search.polish) try on each problem the winners of its
 nearest neighbours that it has not tried, without TPE, then remeasure and decide again.
+
+An op measured with other ops' tuned kernels inside it (``OpDef.runs``: on a GPU the MoE block runs the dense
+projections the runtime selector picks) is swept after them, in a second phase, and its workers' selector reads
+this sweep's database (``K3TUNE_SERVE_DB``): a block is timed with the dense kernels it will be served with. A
+block whose dense lookups have no current winner in the database is refused before anything is measured, never
+timed on the selector's heuristic defaults.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import platform
 import time
@@ -22,7 +29,7 @@ from sqlalchemy import select
 from k3tune.errors import ConfigError, HardwareError
 from k3tune.kernels import FAMILIES, families_for, op_digest
 from k3tune.kernels.gemm_smallm import current_arch
-from k3tune.plan import hardware, problems as plans
+from k3tune.plan import hardware, model as models, problems as plans, spec as specs
 from k3tune.plan.hardware import Fingerprint, HardwareSpec
 from k3tune.plan.model import ModelConfig
 from k3tune.plan.spec import SweepSpec
@@ -34,7 +41,7 @@ from k3tune.search.strategy import Candidate, ProblemSearch
 from k3tune.search.workers import WorkerPool
 from k3tune.store import records
 from k3tune.store.db import Database
-from k3tune.store.models import Backend, TrialStatus, Winner
+from k3tune.store.models import Backend, ProblemRow, TrialStatus, Winner
 
 BACKEND_LABEL = {"gpu": Backend.measured, "simulated": Backend.simulated, "cpu": Backend.cpu}
 
@@ -53,6 +60,10 @@ class SweepOptions:
     command: str = "k3tune sweep"
     progress: Callable[[SweepStats], None] | None = None
     compile_procs: int | None = None  # gpu: CPU processes compiling candidates ahead (None: compile_farm.default_procs)
+    # ops that run other ops' tuned kernels (OpDef.runs) after those, in a second phase (None: on the GPU backend,
+    # the only one whose blocks run them); internal: ``only_ops`` limits a phase to its ops
+    phased: bool | None = None
+    only_ops: frozenset[str] | None = None
 
 
 @dataclass
@@ -143,13 +154,68 @@ def hand_out(active: dict[int, ProblemSearch], n_idle: int,
     return out
 
 
+def unmet_runs(db: Database, hw_id: int, label: Backend, backend: str, problems: list[plans.Problem]) -> list[str]:
+    """For the problems of ops that run other ops' tuned kernels (``OpDef.runs``), each lookup of those kernels
+    that has no current winner in ``db`` for this hardware and backend, as 'block problem -> dense problem'. The
+    lookups are mapped as the workers' ``Selector.load()`` maps them (the default spec's token buckets, the default
+    model's shapes): the block at M tokens asks for each dense op at batch M, no draft."""
+    model, spec = models.load(), specs.load()
+    need: dict[plans.Problem, list[plans.Problem]] = {}
+    for p in problems:
+        for op in plans.OPS[p.op].runs:
+            dep = plans.Deployment(p["tp"], p["M"], 1, 0, spec.context[0])
+            need.setdefault(plans.problem_for(plans.OPS[op], model, dep, spec), []).append(p)
+    digests = {op: op_digest(op, backend) for op in {q.op for q in need}}
+    with db.session() as s:
+        won = {key for key, op, digest in s.execute(
+            select(ProblemRow.key, ProblemRow.op, Winner.op_digest).join(Winner, Winner.problem_id == ProblemRow.id)
+            .where(Winner.hardware_id == hw_id, Winner.backend == label,
+                   ProblemRow.key.in_([q.key for q in need]))) if digests.get(op) == digest}
+    return [f"{p.key} -> {q.key}" for q, ps in need.items() if q.key not in won for p in ps]
+
+
+def _merged(a: SweepStats, b: SweepStats) -> SweepStats:
+    """Two phases' stats as one sweep's: counts and times added, lists joined, the first phase's start-up times and
+    the second's run and last message kept."""
+    out = SweepStats()
+    for f in dataclasses.fields(SweepStats):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if f.name in ("workers_ready_s", "first_result_s", "pool_started_s"):
+            v = x if x is not None else y
+        elif f.name == "best_speedup":
+            v = max((z for z in (x, y) if z is not None), default=None)
+        elif f.name in ("run_id", "last"):
+            v = y
+        elif isinstance(x, dict):
+            v = {**x, **y}
+        else:
+            v = x + y
+        setattr(out, f.name, v)
+    return out
+
+
 def run_sweep(opt: SweepOptions) -> SweepStats:
+    phased = opt.phased if opt.phased is not None else opt.backend == "gpu"
+    if opt.only_ops is None and phased:
+        ops = {p.op for p in plans.build(opt.spec, opt.model).problems}
+        later = frozenset(op for op in ops if plans.OPS[op].runs)
+        if later and ops - later:  # the ops they run first, then them, against what the first phase stored
+            first = _run_phase(dataclasses.replace(opt, only_ops=frozenset(ops - later)))
+            progress = opt.progress and (lambda st: opt.progress(_merged(first, st)))
+            second = _run_phase(dataclasses.replace(opt, only_ops=later, progress=progress))
+            return _merged(first, second)
+    return _run_phase(opt)
+
+
+def _run_phase(opt: SweepOptions) -> SweepStats:
     t_start = time.monotonic()
     plan = plans.build(opt.spec, opt.model)
     label = BACKEND_LABEL[opt.backend]
     stats = SweepStats()
     tunable: list[plans.Problem] = []
     for p in plan.problems:
+        if opt.only_ops is not None and p.op not in opt.only_ops:
+            continue
         if families_for(p, opt.backend):
             tunable.append(p)
         else:
@@ -165,6 +231,9 @@ def run_sweep(opt: SweepOptions) -> SweepStats:
     procs = default_procs(opt.workers) if opt.compile_procs is None else opt.compile_procs
     procs = procs if opt.backend == "gpu" else 0
     worker_env = {"K3TUNE_WORKER_KERNEL_CACHE": "1"} if procs else {}  # workers load what the farm built
+    runs_others = opt.backend == "gpu" and any(plans.OPS[p.op].runs for p in tunable)
+    if runs_others:  # a measured block runs the dense kernels this sweep's database holds (its first phase's)
+        worker_env["K3TUNE_SERVE_DB"] = opt.db.url
     pool = WorkerPool(opt.workers, backend_spec, opt.trial_timeout_s, pin_gpus=opt.backend == "gpu", env=worker_env)
     if not any(p.kind == "allreduce" for p in tunable):  # collectives come first, on these GPUs: not beside workers
         pool.start()  # now, while the database is set up: a worker's imports and CUDA start take seconds
@@ -193,6 +262,12 @@ def run_sweep(opt: SweepOptions) -> SweepStats:
             records.release_dead_local_claims(s, hw_id, label)
             stats.problems_total = len(wanted)
             stats.problems_done_before = len(wanted) - records.remaining(s, hw_id, label, wanted)
+        if runs_others:
+            gaps = unmet_runs(opt.db, hw_id, label, opt.backend, [p for p in tunable if plans.OPS[p.op].runs])
+            if gaps:
+                raise ConfigError(f"{len(gaps)} lookups of the dense kernels the MoE block runs have no current "
+                                  f"winner in {opt.db.path or 'the database'} (first: {gaps[0]}): sweep those ops "
+                                  "into it first (on an H200: --spec configs/sweep_h200_dense.toml, the same --db)")
     except BaseException:
         pool.close()
         farm.close()
