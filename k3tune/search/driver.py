@@ -197,7 +197,7 @@ def _merged(a: SweepStats, b: SweepStats) -> SweepStats:
 def run_sweep(opt: SweepOptions) -> SweepStats:
     phased = opt.phased if opt.phased is not None else opt.backend == "gpu"
     if opt.only_ops is None and phased:
-        ops = {p.op for p in plans.build(opt.spec, opt.model).problems}
+        ops = {p.op for p in plans.build(opt.spec, opt.model).problems if families_for(p, opt.backend)}
         later = frozenset(op for op in ops if plans.OPS[op].runs)
         if later and ops - later:  # the ops they run first, then them, against what the first phase stored
             first = _run_phase(dataclasses.replace(opt, only_ops=frozenset(ops - later)))
@@ -214,12 +214,10 @@ def _run_phase(opt: SweepOptions) -> SweepStats:
     stats = SweepStats()
     tunable: list[plans.Problem] = []
     for p in plan.problems:
-        if opt.only_ops is not None and p.op not in opt.only_ops:
-            continue
-        if families_for(p, opt.backend):
-            tunable.append(p)
-        else:
+        if not families_for(p, opt.backend):  # every phase reports them (the phases' stats merge)
             stats.skipped_ops[p.op] = f"no kernel family of {p.op} runs on the {opt.backend} backend yet"
+        elif opt.only_ops is None or p.op in opt.only_ops:
+            tunable.append(p)
     too_big = sorted({p["group"] for p in tunable if p.kind == "allreduce" and p["group"] > opt.workers})
     if too_big:  # a collective is measured on a group of its own size
         stats.skipped_ops["tp.allreduce"] = (f"groups of {', '.join(map(str, too_big))} GPUs need that many; "
