@@ -60,7 +60,7 @@ def _twice(fam, p, cfg, seed: int, poison=("out",)) -> dict:
 @pytest.mark.parametrize("m", MS)
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("name", ["gemm.cublas", "gemm.smallm", "gemm.splitk_tc", "gemm.wgmma", "gemm.stream",
-                                  "gemm.splitk_cluster", "gemm.wgmma_ck", "gemm.splitk_cluster_al"])
+                                  "gemm.splitk_cluster", "gemm.wgmma_ck"])
 def test_gemm_default_numerics(name, m, n, k):
     if _check(name, m, n, k) is None:
         pytest.skip(f"{name} does not implement M={m}, N={n}, K={k}")
@@ -267,25 +267,6 @@ def test_splitk_cluster_sample_numerics(m, n, k):
     assert len(cfgs) >= 12, len(cfgs)
 
 
-@pytest.mark.parametrize("m,n,k", [(3, 280, 7168), (16, 1536, 7168), (17, 7168, 768), (64, 1000, 1536)])
-def test_splitk_cluster_al_sample_numerics(farm, m, n, k):
-    """The staged cluster kernel whose leader receives the peers' partials in its own ring: every cluster size and
-    warp layout, 2-4-stage rings (the receive buffer must fit the ring), PDL on every 3rd; rows past N (280, 1000),
-    tokens past M (3, 17); each run twice on the same buffers, output poisoned (a peer that pushed before the leader
-    was done with its ring would corrupt the leader's last stages)."""
-    from k3tune.kernels.gemm_splitk_tc import SplitKConfig
-
-    fam = family("gemm.splitk_cluster_al")
-    p = Problem("kda.o_proj", "gemm", (("M", m), ("N", n), ("K", k)))
-    cfgs = [SplitKConfig(m_tiles=1, warps_n=wn, warps_k=wk, tile_m=max(8, min(32, 1 << (m - 1).bit_length())),
-                         split_k=s, bk=128 if wk == 4 else 64, stages=st, reduce=0, pdl=int(i % 3 == 0))
-            for i, (wn, wk, s, st) in enumerate(itertools.product((1, 2), (1, 2, 4), (2, 4, 8), (2, 3, 4)))]
-    cfgs = [c for c in cfgs if c.tile_m in fam.space(p)["tile_m"] and fam.valid(c, p)]
-    for i, cfg in enumerate(_built_first(farm, fam.name, p, cfgs)):
-        _twice(fam, p, cfg, 7000 + i)
-    assert len(cfgs) >= 12, len(cfgs)
-
-
 @pytest.mark.parametrize("name,knobs", [("gemm.splitk_tc", {"split_k": 1, "reduce": 0}),
                                         ("gemm.splitk_tc", {"split_k": 4, "reduce": 0}),
                                         ("gemm.splitk_tc", {"split_k": 4, "reduce": 1}),
@@ -294,9 +275,7 @@ def test_splitk_cluster_al_sample_numerics(farm, m, n, k):
                                         ("gemm.stream", {"rows": 8, "warps": 4, "mma": 1}),
                                         ("gemm.splitk_cluster", {"split_k": 4}),
                                         ("gemm.wgmma_ck", {"split_k": 3, "bk": 128}),
-                                        ("gemm.wgmma_ck", {"split_k": 8, "bk": 64}),
-                                        ("gemm.splitk_cluster_al", {"split_k": 8, "warps_n": 1, "warps_k": 4,
-                                                                    "bk": 128, "stages": 3})])
+                                        ("gemm.wgmma_ck", {"split_k": 8, "bk": 64})])
 def test_pdl_chain(name, knobs):
     """Programmatic dependent launch: y1 = x W1^T, then y2 = y1 W2^T on the same stream, both launched with PDL (the
     second starts while the first finishes and must wait for y1), eagerly and replayed in a CUDA graph; and the

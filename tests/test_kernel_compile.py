@@ -208,23 +208,6 @@ CLUSTER_SAMPLE = sorted({(1, wn, wk, tm, s, 128 if wk == 4 else 64, 3, s % 4 == 
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
-def test_splitk_cluster_al_compiles(arch):
-    """The staged ring-aliased cluster kernel over the same corners (those whose receive buffer fits the ring)."""
-    from k3tune.kernels import gemm_splitk_cluster_al
-    from k3tune.kernels.gemm_splitk_tc import SplitKConfig
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        done = 0
-        for knobs in CLUSTER_SAMPLE:
-            cfg = SplitKConfig(*knobs[:7], reduce=0, pdl=int(knobs[7]))
-            if gemm_splitk_cluster_al.recv_bytes(cfg) <= gemm_splitk_cluster_al.ring_bytes(cfg):
-                assert gemm_splitk_cluster_al.compiled(*knobs[:7], int(knobs[7]), arch) is not None, knobs
-                done += 1
-        assert done >= 8, done
-
-
-@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 def test_splitk_cluster_compiles(arch):
     from k3tune.kernels import gemm_splitk_cluster
 
