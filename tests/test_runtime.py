@@ -152,6 +152,7 @@ def test_the_block_serves_the_routing_it_is_told(smoke_db, tmp_path, monkeypatch
 def test_serve_db_from_the_environment_replaces_the_shipped_one(smoke_db, monkeypatch):
     """K3TUNE_SERVE_DB (what a GPU sweep gives the workers that measure MoE blocks): with no database named, the
     selector reads that one instead of the shipped database; a database named in the call still wins."""
+    monkeypatch.delenv("K3TUNE_SERVE_DB", raising=False)
     assert Selector.load(simulated="gb300").lookup("kda.o_proj", 16, 8).source == "heuristic default"  # none shipped
     monkeypatch.setenv("K3TUNE_SERVE_DB", str(smoke_db))
     assert Selector.load(simulated="gb300").lookup("kda.o_proj", 16, 8).source == "simulated"
