@@ -836,3 +836,40 @@ def test_ops_that_run_others_kernels_are_swept_after_them_against_what_they_stor
     dense = {op: r for op, r in runs.items() if op != "moe.block"}
     assert len(dense) == 4 and first["moe.block"] > max(dense.values()), (runs, first)  # blocks began after
     assert driver.unmet_runs(db, hw_id, Backend.simulated, "simulated", blocks) == []
+
+
+def test_local_passes_try_the_winners_one_knob_neighbours(tmp_path):
+    """With ``[search] local = 1`` the polish passes also try each problem's winner with one knob moved one step in
+    its declared space, until a pass finds nothing new: at the end the final winner's valid neighbours are all
+    tried (the hill climb stopped at a local optimum), which the same sweep without it leaves untried."""
+    from k3tune.search.polish import local_moves
+    from k3tune.store.models import ProblemRow
+
+    def sweep(local: int):
+        sp = spec.from_dict({"matrix": {"tp": [16], "batch": [1, 8], "ops": ["kda.o_proj"]},
+                             "buckets": {"tokens": [1, 8], "batch": [1, 8], "query_len": [1]},
+                             "search": {"budget": 8, "samples": 5, "remeasure_top": 2, "polish": 8, "local": local}})
+        db = store_db.open_db(str(tmp_path / f"local{local}.sqlite"))
+        st = run_sweep(_opts(db, sp, workers=2))
+        assert st.problems_done == st.problems_total == 2 and not st.no_winner
+        return db, st
+
+    untried = {}
+    for local in (0, 1):
+        db, st = sweep(local)
+        untried[local] = 0
+        with db.session() as s:
+            for key, dims, fam, params in s.execute(select(ProblemRow.key, ProblemRow.dims, Winner.family, Winner.params)
+                                                    .join(Winner, Winner.problem_id == ProblemRow.id)):
+                p = Problem("kda.o_proj", "gemm", tuple(dims.items()))
+                f = family(fam)
+                tried = set(s.scalars(select(Trial.params_key).join(ProblemRow, ProblemRow.id == Trial.problem_id)
+                                      .where(ProblemRow.key == key, Trial.family == fam)))
+                for prm in local_moves(f, p, params):
+                    try:
+                        cfg = f.config_from_params(p, prm)
+                    except Exception:
+                        continue
+                    untried[local] += f.valid(cfg, p) and params_key(cfg.params()) not in tried
+        assert local == 0 or st.polish_passes < 8, "the climb must end before the pass limit"
+    assert untried[1] == 0 < untried[0], untried

@@ -327,7 +327,12 @@ def _run_phase(opt: SweepOptions) -> SweepStats:
             return mine + same_shape + others[:2]
         at_m = sorted((n for n in same_m.get((p.kind, p.get("M")), []) if n[0].op != p.op and n[0].dims != p.dims),
                       key=lambda n: (_neighbour_distance(n[0], p), n[0].op))
-        return mine + same_shape + others[:polish.NEIGHBOURS] + at_m[:polish.CROSS_OP]
+        moved = []
+        if opt.spec.search.local:  # the winner's one-knob neighbours (a hill climb over the passes)
+            fams = {f.name: f for f in families_for(p, opt.backend, arch)}
+            moved = [(p, fam, prm) for q, fam, params in mine if fam in fams
+                     for prm in polish.local_moves(fams[fam], p, params)]
+        return mine + moved + same_shape + others[:polish.NEIGHBOURS] + at_m[:polish.CROSS_OP]
 
     def warm(p: plans.Problem) -> list[tuple[str, dict, plans.Problem]]:
         """``near_winners`` as warm starts: (family, params, the problem it won on)."""

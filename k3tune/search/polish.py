@@ -6,7 +6,9 @@ A search of a few dozen trials over a space of thousands can miss a config that 
 session 9: a tensor-core config at 3.9 us for M = 8 while M = 4 and 16 kept cuBLAS at 5.6). Searches take warm
 starts only from earlier runs' winners, so that the worker count cannot change a result; a pass, planned from the
 stored winners once every problem is decided, is the same for any worker count and on every machine sharing the
-sweep. The driver runs the passes (``[search] polish`` at most) until nothing is left untried.
+sweep. The driver runs the passes (``[search] polish`` at most) until nothing is left untried. With ``[search]
+local = 1`` a pass also tries each problem's winner with one knob moved one step (``local_moves``): over the passes, a
+hill climb from what the search found.
 """
 
 from __future__ import annotations
@@ -27,6 +29,19 @@ from k3tune.store.models import Backend, Winner
 NEIGHBOURS = 4  # a pass tries the winners of this many nearest problems of the same op (and of every same-shape op)
 CROSS_OP = 2  # ... and of this many other ops nearest in shape at the same token count
 CLAIM_PREFIX = "polish:"  # a pass's claims are keyed CLAIM_PREFIX + the digest of what it will try
+
+
+def local_moves(fam: KernelFamily, problem: Problem, params: dict) -> list[dict]:
+    """``params`` with one knob moved to a neighbouring value of the family's declared space for ``problem`` (in the
+    order the space lists them), each knob both ways; whether a move is valid is the search's to check."""
+    space = fam.cached_space(problem)
+    out = []
+    for knob, values in space.items():
+        if params.get(knob) not in values:
+            continue
+        i = values.index(params[knob])
+        out += [{**params, knob: values[j]} for j in (i - 1, i + 1) if 0 <= j < len(values)]
+    return out
 
 
 def current_winners(db: Database, hw_id: int, backend: Backend, digests: dict[int, str]) -> dict[int, tuple[str, dict]]:
