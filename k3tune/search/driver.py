@@ -195,21 +195,21 @@ def _merged(a: SweepStats, b: SweepStats) -> SweepStats:
 
 
 def run_sweep(opt: SweepOptions) -> SweepStats:
+    t_start = time.monotonic()
+    plan = plans.build(opt.spec, opt.model)  # once: the phases share it
     phased = opt.phased if opt.phased is not None else opt.backend == "gpu"
     if opt.only_ops is None and phased:
-        ops = {p.op for p in plans.build(opt.spec, opt.model).problems if families_for(p, opt.backend)}
+        ops = {p.op for p in plan.problems if families_for(p, opt.backend)}
         later = frozenset(op for op in ops if plans.OPS[op].runs)
         if later and ops - later:  # the ops they run first, then them, against what the first phase stored
-            first = _run_phase(dataclasses.replace(opt, only_ops=frozenset(ops - later)))
+            first = _run_phase(dataclasses.replace(opt, only_ops=frozenset(ops - later)), plan, t_start)
             progress = opt.progress and (lambda st: opt.progress(_merged(first, st)))
-            second = _run_phase(dataclasses.replace(opt, only_ops=later, progress=progress))
+            second = _run_phase(dataclasses.replace(opt, only_ops=later, progress=progress), plan, time.monotonic())
             return _merged(first, second)
-    return _run_phase(opt)
+    return _run_phase(opt, plan, t_start)
 
 
-def _run_phase(opt: SweepOptions) -> SweepStats:
-    t_start = time.monotonic()
-    plan = plans.build(opt.spec, opt.model)
+def _run_phase(opt: SweepOptions, plan: plans.Plan, t_start: float) -> SweepStats:
     label = BACKEND_LABEL[opt.backend]
     stats = SweepStats()
     tunable: list[plans.Problem] = []
