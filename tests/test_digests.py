@@ -19,17 +19,15 @@ NEUTRAL = {"k3tune.errors", "k3tune.kernels", "k3tune.kernels.base", "k3tune.ker
 # names that only detect the arch or wrap a tensor or stream for a launch
 PLUMBING = {("k3tune.kernels.gemm_smallm", "current_arch"), ("k3tune.kernels.moe_experts", "_t"),
             ("k3tune.kernels.moe_experts", "_stream"),
-            ("k3tune.plan.hardware", "spec")}  # a spec by its key: the block's link figures are in plan.links
+            ("k3tune.plan.hardware", "spec"),  # a spec by its key: the block's link figures are in plan.links
+            ("k3tune.plan.hardware", "detect")}  # which GPU this is, to name its spec (the block's stand-ins)
 # gaps found in session 12 (NOTES.md): closing one re-keys the winners it covers, so it lands with their re-sweep or
 # with bench/rekey_db.py where those winners provably ran the code the wider key covers (gemm_common, mxfp4 and the
 # hardware model were closed so)
-# The blocks' plan.hardware (session 16): moe_block imports the module only to detect the GPU and name its spec key
-# (the link figures the stand-ins are timed by moved to plan.links, which is keyed); the import becomes a plumbing name
-# (``detect``) at the next block re-sweep.
-KNOWN_UNKEYED = {"moe.stock": {"k3tune.runtime.selector",  # which dense kernels the block runs: the real dependency
-                               "k3tune.plan.hardware"},  # is the served dense table (its kernels' code is keyed
-                                                         # through OpDef.runs, their winners are not)
-                 "moe.overlap": {"k3tune.runtime.selector", "k3tune.plan.hardware"}}
+KNOWN_UNKEYED = {"moe.stock": {"k3tune.runtime.selector"},  # which dense kernels the block runs: the real dependency
+                                                           # is the served dense table (its kernels' code is keyed
+                                                           # through OpDef.runs, their winners are not)
+                 "moe.overlap": {"k3tune.runtime.selector"}}
 
 
 def _imports(module: str) -> set[tuple[str, str]]:

@@ -21,10 +21,16 @@ import functools
 from k3tune.kernels import gemm_splitk_tc
 from k3tune.kernels.base import Work
 from k3tune.kernels.gemm_smallm import current_arch
-from k3tune.kernels.gemm_splitk_tc import SMEM_BUDGET, SplitKConfig, SplitKTensorCoreGemm, smem_bytes
+from k3tune.kernels.gemm_splitk_tc import SMEM_BUDGET, SplitKConfig, SplitKTensorCoreGemm, _pow2_ceil, smem_bytes
 from k3tune.plan.problems import Problem
 
 SPLITS = (2, 4, 8)  # portable cluster sizes
+# (M up to, [(m_tiles, warps_n, warps_k, bk, stages, split_k)]): the best configs of the whole space at M = 2, 8 and 16
+# on TP8 mla.q_a (1536 x 7168) and kda.o_proj (7168 x 1536), H200, bench/probe_gemm.py (NOTES.md, s17-r1). At M <= 8
+# the one-warp-row layout with 4 K warps and a 4-stage ring took q_a to 6.0 us (0.88 of the floor; the sweep's pick
+# 6.2-6.5 us ran a 6-stage ring: 7.6 us) and o_proj to 5.6 (0.93; the pick, splitk_tc, 6.3).
+PROBED = ((8, [(1, 1, 4, 128, 4, 8), (1, 2, 2, 64, 4, 4), (1, 1, 4, 128, 4, 2)]),
+          (16, [(1, 2, 2, 128, 6, 4), (1, 2, 2, 128, 4, 2)]))
 
 
 def recv_bytes(cfg: SplitKConfig) -> int:
@@ -54,14 +60,25 @@ class SplitKClusterGemm(SplitKTensorCoreGemm):
         """gemm_splitk_tc's seed layouts (chosen under its own rules: its splits go to 16) at a cluster of 8 up to
         M = 16 and of 4 beyond (the s14-r1 probe's best on the 576- to 1536-row ops), summed in the cluster. (Under
         this family's rules the narrow ops had no seed at all: their splitk_tc seeds split 16, and the default left
-        was a 2-stage, 32-wide ring 2x slower than cuBLAS.)"""
+        was a 2-stage, 32-wide ring 2x slower than cuBLAS.) Then PROBED's layouts for the problem's M: the whole
+        space's best on the 22 MB ops, which the sweep's ~20 trials a problem did not reach (s17-r1)."""
+        m = problem["M"]
         out = []
         for cfg in SplitKTensorCoreGemm().seeds(problem):
-            for split in (8, 4) if problem["M"] <= 16 else (4, 8):
+            for split in (8, 4) if m <= 16 else (4, 8):
                 c = dataclasses.replace(cfg, split_k=split, reduce=0)
                 if self.valid(c, problem):
                     out.append(c)
                     break
+        tile_m = min(32, max(8, _pow2_ceil(m)))
+        for top, layouts in PROBED:
+            if m <= top:
+                for mt, wn, wk, bk, st, split in layouts:
+                    c = SplitKConfig(m_tiles=mt, warps_n=wn, warps_k=wk, tile_m=tile_m, split_k=split, bk=bk,
+                                     stages=st, pdl=1)
+                    if self.valid(c, problem):
+                        out.append(c)
+                break
         return list(dict.fromkeys(out))
 
     def work(self, problem: Problem, cfg: SplitKConfig) -> Work:

@@ -95,10 +95,10 @@ class _BlockOnGpu:
         return out
 
     def build(self, problem: Problem, cfg):
-        from k3tune.plan import hardware
+        from k3tune.plan.hardware import detect
         from k3tune.runtime.moe import EmulatedComm, MoEBlock
 
-        found = hardware.detect()
+        found = detect()
         hw = found[1] if found else None  # collectives: stand-ins timed by this GPU's own NVLink (plan.links)
         comm = EmulatedComm.for_target(hw.key, problem["tp"]) if hw else EmulatedComm(problem["tp"])
         blocks: dict = {}
