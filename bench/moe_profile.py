@@ -2,7 +2,11 @@
 kernel with its start (relative to the first) and duration, in start order, so the critical path and the
 side stream's overlap can be read off.
 
-    python bench/moe_profile.py [--tp 16] [--batch 1] [--path tuned] [--shared-sms 0] [--prefetch-mib 0]
+    python bench/moe_profile.py [--tp 16] [--batches 1] [--paths tuned] [--shared-sms 0] [--prefetch-mib 0]
+                                [--fmt bf16|mxfp4] [--served]
+
+--served profiles the block as serving builds it from the database's ``moe.block`` winner (every knob, the SM
+split included; --paths, --cfgs, --shared-sms and --prefetch-mib are then ignored).
 
 Runs from bench/ like bench/moe.py (uniform routing imposed, GB300 collective stand-ins).
 """
@@ -30,6 +34,8 @@ def main() -> None:
     ap.add_argument("--shared-sms", type=int, default=0)
     ap.add_argument("--prefetch-mib", type=int, default=0)
     ap.add_argument("--link", default="gb300")
+    ap.add_argument("--fmt", default="bf16", help="routed-expert weight format: bf16 or mxfp4")
+    ap.add_argument("--served", action="store_true", help="the served block (MoEBlock.serve) instead of --paths")
     ap.add_argument("--cfgs", default="", help="expert-kernel knob sets to compare, ';'-separated, each "
                     "'rows,warps,unroll/rows,warps,unroll/per' (w13/w2/tokens per item); empty: the default")
     ap.add_argument("--grep", default="", help="print only kernels whose name contains one of these (',')")
@@ -39,18 +45,24 @@ def main() -> None:
     sh = BlockShape.from_config(configs_dir() / "kimi_k3_config.json")
     sel = Selector.load()
     split = shared_partition(args.shared_sms) if args.shared_sms else None  # shared on n SMs, routed on the rest
-    layers = [random_weights(sh, args.tp, device="cuda", seed=i) for i in range(4)]
+    layers = [random_weights(sh, args.tp, fmt=args.fmt, device="cuda", seed=i) for i in range(4)]
     for batch in (int(b) for b in args.batches.split(",")):
         ids = routings.sample(args.routing, sh.experts, sh.top_k, batch, random.Random(batch))
         top = torch.tensor(ids, device="cuda")
         x = torch.randn(batch, sh.hidden, device="cuda").to(torch.bfloat16)
         cfgs = [None] + [parse_cfg(c) for c in args.cfgs.split(";") if c]
-        for path, cfg in [(p, c) for p in args.paths.split(",") for c in (cfgs if p == "tuned" else [None])]:
+        runs = ([("served", None)] if args.served else
+                [(p, c) for p in args.paths.split(",") for c in (cfgs if p == "tuned" else [None])])
+        for path, cfg in runs:
             comm = EmulatedComm(args.tp) if args.link == "none" else EmulatedComm.for_target(args.link, args.tp)
-            blocks = [MoEBlock.build(w, path, batch=batch, selector=sel, prefetch_mib=args.prefetch_mib,
-                                     shared_stream=split.shared.stream if split else None,
-                                     routed_stream=split.rest.stream if split else None,
-                                     comm=comm, experts_cfg=cfg) for w in layers]
+            if path == "served":
+                blocks = [MoEBlock.serve(w, sel, batch, comm=comm) for w in layers]
+                print(f"\n# served: {blocks[0].ran['block']}; shared {blocks[0].ran['shared']}")
+            else:
+                blocks = [MoEBlock.build(w, path, batch=batch, selector=sel, prefetch_mib=args.prefetch_mib,
+                                         shared_stream=split.shared.stream if split else None,
+                                         routed_stream=split.rest.stream if split else None,
+                                         comm=comm, experts_cfg=cfg) for w in layers]
             for b in blocks:
                 b.force_top = top
             s = torch.cuda.Stream()
