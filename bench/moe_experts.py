@@ -3,7 +3,11 @@ CUDA-core grouped GEMVs (k3tune/kernels/moe_experts.py) and the tensor-core grou
 (k3tune/kernels/moe_experts_tc.py) with bf16 experts, and the tensor-core kernels with MXFP4 experts.
 
     python bench/moe_experts.py [--tps 16,8] [--batches 8,16,32,64] [--routings uniform,zipf:1.2]
-                                [--variants cc_p1,tc_a_mxfp4] [--profile]
+                                [--variants cc_p1,tc_a_mxfp4] [--tc 'NAME=mt,wn,wk,nt,u/mt,wn,wk,nt,u;...']
+                                [--profile]
+
+--tc adds tensor-core variants (w13 config / w2 config, TcExpertConfig's fields in order), each run with bf16 and
+MXFP4 experts as ``NAME_bf16`` and ``NAME_mxfp4``.
 
 Each variant runs route (imposed routing) + w13/SiTU + w2 + slot sum/RMSNorm in a CUDA graph over ``--layers``
 layers of distinct expert weights (read from HBM), after a warm-up; median and IQR per layer. The roofline
@@ -56,8 +60,10 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=10)
     ap.add_argument("--out", default="bench-moe-experts.json")
     ap.add_argument("--variants", default="", help="only these variants (comma-separated names)")
+    ap.add_argument("--tc", default="", help="extra tensor-core variants: NAME=w13 knobs/w2 knobs, ';'-separated")
     ap.add_argument("--profile", action="store_true", help="run each step eagerly in an NVTX range, no timing")
     args = ap.parse_args()
+    tensor_core = dict(TENSOR_CORE) | dict(_parse_tc(t) for t in args.tc.split(";") if t)
     sh = BlockShape.from_config(configs_dir() / "kimi_k3_config.json")
     bw = copy_bandwidth()
     print(f"# {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s")
@@ -83,7 +89,7 @@ def main() -> None:
                           "mxfp4": touched * (mxfp4.nbytes(2 * inter, sh.latent) + mxfp4.nbytes(sh.latent, inter))
                           / bw * 1e6}
                 variants = [(n, "bf16", v) for n, v in CUDA_CORE.items()]
-                variants += [(f"{n}_{f}", f, v) for n, v in TENSOR_CORE.items() for f in ("bf16", "mxfp4")]
+                variants += [(f"{n}_{f}", f, v) for n, v in tensor_core.items() for f in ("bf16", "mxfp4")]
                 if args.variants:
                     variants = [x for x in variants if x[0] in args.variants.split(",")]
                 for name, fmt, v in variants:
@@ -108,6 +114,12 @@ def main() -> None:
         torch.cuda.empty_cache()
     Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "copy_bw": bw, "rows": rows},
                                          indent=1))
+
+
+def _parse_tc(text: str) -> tuple:
+    name, cfgs = text.split("=")
+    a, b = (TcExpertConfig(*(int(v) for v in c.split(","))) for c in cfgs.split("/"))
+    return name, (a, b)
 
 
 def _step(layers, fmt, v, y, x, top, norm, sh, batch):
