@@ -44,7 +44,8 @@ def main() -> None:
 
     sh = BlockShape.from_config(configs_dir() / "kimi_k3_config.json")
     sel = Selector.load()
-    split = shared_partition(args.shared_sms) if args.shared_sms else None  # shared on n SMs, routed on the rest
+    # shared on n SMs, routed on the rest (--served takes the split from the winner instead)
+    split = shared_partition(args.shared_sms) if args.shared_sms and not args.served else None
     layers = [random_weights(sh, args.tp, fmt=args.fmt, device="cuda", seed=i) for i in range(4)]
     for batch in (int(b) for b in args.batches.split(",")):
         ids = routings.sample(args.routing, sh.experts, sh.top_k, batch, random.Random(batch))
