@@ -240,3 +240,31 @@ def test_measurer_times_the_block_families():
     for fam, params in [("moe.stock", {}), ("moe.overlap", tuned)]:
         out = be.measure(Task(0, p, fam, params, 0, 5))
         assert out.status == "ok" and out.median_us > 0, (fam, out)
+
+
+@pytest.mark.parametrize("path", ["tuned", "stock"])
+def test_the_routed_all_reduce_stand_in_is_charged_the_summed_latent_rows(path, monkeypatch):
+    """The routed all-reduce moves the tokens' latent rows (a rank sums its slots first), not per-slot rows: fp32
+    on the tuned path (its slot sum is fp32), bf16 on the stock path (what it all-reduces)."""
+    from k3tune.runtime import Selector
+    from k3tune.runtime.moe import EmulatedComm
+
+    charged = []
+    real = EmulatedComm._occupy
+
+    def spy(self, x, ring_factor=2.0, nbytes=None):
+        charged.append(x.numel() * x.element_size() if nbytes is None else nbytes)
+        return real(self, x, ring_factor, nbytes)
+
+    monkeypatch.setattr(EmulatedComm, "_occupy", spy)
+    w = random_weights(K3, 16, device="cuda", seed=17)
+    batch = 8
+    blk = MoEBlock.build(w, path, batch=batch, selector=Selector.load() if path == "tuned" else None,
+                         comm=EmulatedComm.for_target("gb300", 16))
+    if path == "tuned":
+        assert blk._cache["experts"] == "cute"
+    _check(blk, w, batch)
+    # tuned: the router's all-gather, the routed latent's all-reduce, the final one; stock: the last two
+    assert len(charged) == (3 if path == "tuned" else 2), charged
+    routed = charged[-2]
+    assert routed == batch * K3.latent * (4 if path == "tuned" else 2), charged

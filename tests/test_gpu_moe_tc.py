@@ -38,9 +38,10 @@ def test_tensor_core_expert_kernels_match_torch(b, k, experts, inter, latent, fm
     else:
         w13_ref, w2_ref = w13.float(), w2.float()
         args13, args2 = (w13, {}), (w2, {})
-    knobs = [TcExpertConfig(1, 2, 2, 1, 2), TcExpertConfig(2, 1, 4, 2, 1), TcExpertConfig(1, 4, 1, 2, 2),
-             TcExpertConfig(2, 2, 2, 1, 1), TcExpertConfig(2, 2, 1, 4, 1), TcExpertConfig(1, 2, 2, 4, 1)]
-    for cfg13, cfg2 in [*itertools.product(knobs[:2], knobs[2:4]), (knobs[4], knobs[5])]:  # last: 32-token items
+    knobs = [TcExpertConfig(1, 2, 2, 1, 2), TcExpertConfig(2, 1, 4, 2, 1, early=0), TcExpertConfig(1, 4, 1, 2, 2),
+             TcExpertConfig(2, 2, 2, 1, 1, early=0), TcExpertConfig(2, 2, 1, 4, 1), TcExpertConfig(1, 2, 2, 4, 1)]
+    # both epilogues (early loads on and off) on each side; the last pair: 32-token items
+    for cfg13, cfg2 in [*itertools.product(knobs[:2], knobs[2:4]), (knobs[4], knobs[5])]:
         per = min(cfg13.tokens, cfg2.tokens)
         grp = Groups.allocate(experts, b, k, per, "cuda")
         top = torch.full((b, k), -1, dtype=torch.int32, device="cuda")

@@ -19,6 +19,9 @@ bytes = 32 codes = one scale block (``128 j + 32 (t % 4)``) of each row; a code 
 of a 32-bit word becomes a bf16x2 register with two shifts and masks (3 magnitude bits to bf16 bits 6-8,
 the sign to bit 15: the value times 2^-126, E2M1's two subnormal codes landing on bf16 subnormals), then one
 ``fma.rn.bf16x2`` by 2^(scale - 1) restores the value exactly; the activations are paired to match.
+The epilogue's slot ids, slot weights and token count are loaded with the work item's header (``early``, the
+default), not after the MMAs: at TP16 w2's K is 192, so a CTA's whole life is one item's chain of dependent loads
+(s18-r5: w2 at 0.33 of its byte floor), and this takes one step out of it.
 Scales above 2^1 are refused by ``check_scales`` (bf16 cannot hold the 2^(s-1) multiplier; K3's weight
 scales are far below).
 
@@ -47,6 +50,8 @@ class TcExpertConfig:
     warps_k: int = 2  # warps over K, reduced through shared memory
     n_tiles: int = 1  # 8-token MMA tiles per work item: items hold up to 8 x n_tiles tokens
     unroll: int = 2  # K chunks whose loads issue before their MMAs
+    early: int = 1  # 1: the epilogue's slot ids, slot weights and token count load with the item's header, so
+    #                 they are not a dependent step after the MMAs (0: loaded in the epilogue, sessions 4-17)
 
     @property
     def tokens(self) -> int:
@@ -115,7 +120,7 @@ def _fake_args(kind: str, fmt: str, arch: str):
 
 @functools.cache
 def compiled(kind: str, knobs: tuple, fmt: str, arch: str):
-    """One compile per projection, knobs (m_tiles, warps_n, warps_k, n_tiles, unroll[, beta, linear_beta]),
+    """One compile per projection, knobs (m_tiles, warps_n, warps_k, n_tiles, unroll, beta, linear_beta, early),
     format and arch; batch, widths and expert counts are dynamic. Never call inside a capture."""
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream
@@ -136,7 +141,7 @@ def run_w13(cfg: TcExpertConfig, latent, w13, act, weights, groups, beta: float,
     fmt = "bf16" if scales is None else "mxfp4"
     check(cfg, groups, latent.shape[1], fmt)
     fn = compiled("w13", (cfg.m_tiles, cfg.warps_n, cfg.warps_k, cfg.n_tiles, cfg.unroll, float(beta),
-                          float(linear_beta)), fmt, current_arch())
+                          float(linear_beta), cfg.early), fmt, current_arch())
     _launch(fn, latent, w13, scales, act, weights, groups, stream)
 
 
@@ -144,7 +149,7 @@ def run_w2(cfg: TcExpertConfig, act, w2, out, weights, groups, scales=None, stre
     """out[slot, :L] = weight[slot] * act[slot] . w2 rows (fp32), over ``groups``' work items."""
     fmt = "bf16" if scales is None else "mxfp4"
     check(cfg, groups, act.shape[1], fmt)
-    fn = compiled("w2", (cfg.m_tiles, cfg.warps_n, cfg.warps_k, cfg.n_tiles, cfg.unroll, 0.0, 0.0), fmt,
+    fn = compiled("w2", (cfg.m_tiles, cfg.warps_n, cfg.warps_k, cfg.n_tiles, cfg.unroll, 0.0, 0.0, cfg.early), fmt,
                   current_arch())
     _launch(fn, act, w2, scales, out, weights, groups, stream)
 
@@ -181,8 +186,8 @@ def _kernel_class():
         return q << n if n >= 0 else q >> (-n)
 
     class TcExpertGemm:
-        def __init__(self, which, fmt, mt, wn, wk, nt, unroll, beta=0.0, linear_beta=0.0):
-            self.w13, self.fp4 = which == "w13", fmt == "mxfp4"
+        def __init__(self, which, fmt, mt, wn, wk, nt, unroll, beta=0.0, linear_beta=0.0, early=1):
+            self.w13, self.fp4, self.early = which == "w13", fmt == "mxfp4", bool(early)
             self.mt, self.wn, self.wk, self.nt, self.unroll = mt, wn, wk, nt, unroll
             self.mtot = 2 * mt if self.w13 else mt  # MMA row tiles a warp computes (gate + up for w13)
             self.beta, self.lin = beta, linear_beta
@@ -242,6 +247,15 @@ def _kernel_class():
                 for j in cutlass.range_constexpr(NT):
                     sl = mSlots[ex, cutlass.min(t0 + j * 8 + g, width - 1)]
                     xrows.append(sl // k if cutlass.const_expr(self.w13) else sl)
+                ntok = mCnt[ex] - t0
+                eslots, ewts = [], []  # early: this lane's epilogue tokens 2c, 2c + 1 of each tile (clamped)
+                if cutlass.const_expr(self.early):
+                    for jt in cutlass.range_constexpr(NT):
+                        for h in cutlass.range_constexpr(2):
+                            es = mSlots[ex, cutlass.min(t0 + jt * 8 + 2 * c + h, width - 1)]
+                            eslots.append(es)
+                            if cutlass.const_expr(not self.w13):
+                                ewts.append(mWt[es // k, es % k])
                 acc = cute.make_rmem_tensor(cute.make_layout((4, MTOT, NT)), Float32)
                 acc.fill(0.0)
                 for kb in cutlass.range(wkk * U, chunks, WK * U):
@@ -259,7 +273,6 @@ def _kernel_class():
                         for w2k in cutlass.range_constexpr(WK - 1):
                             for q in cutlass.range_constexpr(nacc):
                                 acc[q] = acc[q] + red[q, lane, wrow, w2k]
-                ntok = mCnt[ex] - t0
                 if wkk == 0:
                     # accumulator q of tile (i, jt): row g + 8 (q // 2), token 2 c + q % 2 of the tile
                     for i in cutlass.range_constexpr(MT):
@@ -268,7 +281,8 @@ def _kernel_class():
                                 row = row0 + i * 16 + g + 8 * (q // 2)
                                 t = jt * 8 + 2 * c + q % 2
                                 if t < ntok and row < out_rows:
-                                    slot = mSlots[ex, t0 + t]
+                                    slot = (eslots[2 * jt + q % 2] if cutlass.const_expr(self.early)
+                                            else mSlots[ex, t0 + t])
                                     s = acc[q, i, jt]
                                     if cutlass.const_expr(self.w13):
                                         up = cutlass.max(cutlass.min(acc[q, MT + i, jt], Float32(self.lin)),
@@ -276,7 +290,9 @@ def _kernel_class():
                                         sig = Float32(1.0) / (Float32(1.0) + cute.math.exp(-Float32(self.beta) * s))
                                         mOut[slot, row] = (s * sig * up).to(BFloat16)
                                     else:
-                                        mOut[slot, row] = s * mWt[slot // k, slot % k]
+                                        wt = (ewts[2 * jt + q % 2] if cutlass.const_expr(self.early)
+                                              else mWt[slot // k, slot % k])
+                                        mOut[slot, row] = s * wt
                 if cutlass.const_expr(WK > 1):
                     cute.arch.sync_threads()  # red is reused by the next item
 

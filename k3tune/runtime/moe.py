@@ -226,10 +226,11 @@ class EmulatedComm:
             return 0.0
         return self.latency_us + ring_factor * (self.tp - 1) / self.tp * nbytes / (self.link_gbps * 1e9) * 1e6
 
-    def _occupy(self, x, ring_factor: float = 2.0):
+    def _occupy(self, x, ring_factor: float = 2.0, nbytes: int | None = None):
+        """The stand-in for a collective over ``x`` (or over ``nbytes`` where x's own size is not what moves)."""
         import torch
 
-        us = self.stand_in_us(x.numel() * x.element_size(), ring_factor)
+        us = self.stand_in_us(x.numel() * x.element_size() if nbytes is None else nbytes, ring_factor)
         if us > 0 and x.is_cuda:
             torch.cuda._sleep(int(us * _SPIN_CYCLES_PER_US))
 
@@ -473,7 +474,11 @@ class MoEBlock:
             moe_experts.run_w13(c["cfg13"], latent, w.w13, c["act"], c["wts"], g, shape.situ_beta,
                                 shape.situ_linear_beta)
             moe_experts.run_w2(c["cfg2"], c["act"], w.w2, c["per_slot"], c["wts"], g)
-        self.comm._occupy(c["per_slot"])
+        # a rank sums its slots before the all-reduce (the sum is linear), so what crosses the link is the
+        # tokens' fp32 latent rows, not the per-slot partials; here the sum runs fused with the norm after the
+        # stand-in (the same launches, in another order)
+        tokens = c["normed"].shape[0]
+        self.comm._occupy(c["per_slot"], nbytes=tokens * shape.latent * 4)
         moe_experts.sum_norm(c["per_slot"], w.norm, c["normed"], shape.top_k, shape.rms_eps / self.comm.tp ** 2, g,
                              slices=self.comm.tp)
         return c["normed"]
