@@ -38,9 +38,11 @@ def test_tensor_core_expert_kernels_match_torch(b, k, experts, inter, latent, fm
     else:
         w13_ref, w2_ref = w13.float(), w2.float()
         args13, args2 = (w13, {}), (w2, {})
-    knobs = [TcExpertConfig(1, 2, 2, 1, 2), TcExpertConfig(2, 1, 4, 2, 1, early=0), TcExpertConfig(1, 4, 1, 2, 2),
-             TcExpertConfig(2, 2, 2, 1, 1, early=0), TcExpertConfig(2, 2, 1, 4, 1), TcExpertConfig(1, 2, 2, 4, 1)]
-    # both epilogues (early loads on and off) on each side; the last pair: 32-token items
+    knobs = [TcExpertConfig(1, 2, 2, 1, 2), TcExpertConfig(2, 1, 4, 2, 1, early=0, rl=2),
+             TcExpertConfig(1, 4, 1, 2, 2), TcExpertConfig(2, 2, 2, 1, 1, early=0, rl=4),
+             TcExpertConfig(2, 2, 1, 4, 1, rl=3), TcExpertConfig(1, 2, 2, 4, 1, rl=8)]
+    # both epilogues (early loads on and off) on each side, one row tile or several per item (rl; groups that
+    # run past the last row tile: 5 w13 tiles in groups of 2 at inter 160); the last pair: 32-token items
     for cfg13, cfg2 in [*itertools.product(knobs[:2], knobs[2:4]), (knobs[4], knobs[5])]:
         per = min(cfg13.tokens, cfg2.tokens)
         grp = Groups.allocate(experts, b, k, per, "cuda")

@@ -9,8 +9,8 @@ tuned block: the routed-expert kernels' tiles (w13 rows/warps/unroll, w2 rows/wa
 shared experts (0 = serial after the routed experts; else a green-context partition of that many SMs) and
 the L2 prefetch size (MiB of the latent up-projection pulled into L2 while routing leaves HBM idle; 0 = off).
 
-On a GPU both run through the MoE block executor (k3tune/runtime/moe.py) with bf16 experts; MXFP4 problems
-stay simulated until the MXFP4 grouped kernel lands. A trial builds fresh random weights of the problem's
+On a GPU both run through the MoE block executor (k3tune/runtime/moe.py), with bf16 or MXFP4 experts (MXFP4
+only on the tensor-core expert kernels, which dequantise in registers). A trial builds fresh random weights of the problem's
 true per-rank shapes, imposes a routing sampled from the problem's routing model (so every variant reads
 the same experts), checks the block against the fp32 reference, then times it. The block's weights exceed
 L2 several times, so no weight rotation is needed. The TP collectives are emulated: stand-ins that occupy
@@ -194,6 +194,8 @@ class MoeOverlapConfig(KernelConfig):
     tc2_wn: int = 4
     tc2_wk: int = 1
     tc2_unroll: int = 2
+    tc13_rl: int = 1  # row tiles a CTA computes per work item (the item's header loaded once for them)
+    tc2_rl: int = 1
 
 
 class MoeOverlap(_BlockOnGpu, KernelFamily):
@@ -208,7 +210,8 @@ class MoeOverlap(_BlockOnGpu, KernelFamily):
     def space(self, problem: Problem) -> dict[str, tuple]:
         tc = {"experts_kernel": ("cuda_core", "tensor_core") if problem["format"] == "bf16" else ("tensor_core",),
               "tc13_mt": (1, 2), "tc13_wn": (1, 2, 4), "tc13_wk": (1, 2, 4), "tc13_unroll": (1, 2, 4),
-              "tc2_mt": (1, 2), "tc2_wn": (1, 2, 4), "tc2_wk": (1, 2), "tc2_unroll": (1, 2)}
+              "tc2_mt": (1, 2), "tc2_wn": (1, 2, 4), "tc2_wk": (1, 2), "tc2_unroll": (1, 2),
+              "tc13_rl": (1, 2, 4), "tc2_rl": (1, 2, 4, 8)}
         return tc | {
             "w13_rows": (2, 4, 8),
             "w13_warps": (2, 4, 8),
@@ -224,7 +227,8 @@ class MoeOverlap(_BlockOnGpu, KernelFamily):
             "prefetch_mib": (0, 4, 8, 16, 32),
         }
 
-    _TC_KNOBS = ("tc13_mt", "tc13_wn", "tc13_wk", "tc13_unroll", "tc2_mt", "tc2_wn", "tc2_wk", "tc2_unroll")
+    _TC_KNOBS = ("tc13_mt", "tc13_wn", "tc13_wk", "tc13_unroll", "tc2_mt", "tc2_wn", "tc2_wk", "tc2_unroll",
+                 "tc13_rl", "tc2_rl")
     _CC_KNOBS = ("w13_rows", "w13_warps", "w13_unroll", "w2_rows", "w2_warps", "w2_unroll", "w2_lanes")
 
     def canonical(self, params: dict) -> dict:
@@ -259,8 +263,8 @@ class MoeOverlap(_BlockOnGpu, KernelFamily):
         from k3tune.kernels.moe_experts_tc import TcExpertConfig
 
         nt = -(-cfg.group // 8)  # 8-token MMA tiles per work item: a hot expert's tokens read its weights once
-        return (TcExpertConfig(cfg.tc13_mt, cfg.tc13_wn, cfg.tc13_wk, nt, cfg.tc13_unroll),
-                TcExpertConfig(cfg.tc2_mt, cfg.tc2_wn, cfg.tc2_wk, nt, cfg.tc2_unroll))
+        return (TcExpertConfig(cfg.tc13_mt, cfg.tc13_wn, cfg.tc13_wk, nt, cfg.tc13_unroll, rl=cfg.tc13_rl),
+                TcExpertConfig(cfg.tc2_mt, cfg.tc2_wn, cfg.tc2_wk, nt, cfg.tc2_unroll, rl=cfg.tc2_rl))
 
     def default(self, problem: Problem) -> MoeOverlapConfig:
         from k3tune.kernels.moe_experts import default_config

@@ -21,7 +21,9 @@ the sign to bit 15: the value times 2^-126, E2M1's two subnormal codes landing o
 ``fma.rn.bf16x2`` by 2^(scale - 1) restores the value exactly; the activations are paired to match.
 The epilogue's slot ids, slot weights and token count are loaded with the work item's header (``early``, the
 default), not after the MMAs: at TP16 w2's K is 192, so a CTA's whole life is one item's chain of dependent loads
-(s18-r5: w2 at 0.33 of its byte floor), and this takes one step out of it.
+(s18-r5: w2 at 0.33 of its byte floor), and this takes one step out of it. ``rl`` row tiles per CTA and item go
+further: the CTA computes them one after the other, so the header chain (item, slot ids, token weights) is paid once
+for all of them and each further tile's loads depend only on the expert id and the activations already in L1.
 Scales above 2^1 are refused by ``check_scales`` (bf16 cannot hold the 2^(s-1) multiplier; K3's weight
 scales are far below).
 
@@ -52,6 +54,8 @@ class TcExpertConfig:
     unroll: int = 2  # K chunks whose loads issue before their MMAs
     early: int = 1  # 1: the epilogue's slot ids, slot weights and token count load with the item's header, so
     #                 they are not a dependent step after the MMAs (0: loaded in the epilogue, sessions 4-17)
+    rl: int = 1  # row tiles (of 16 x m_tiles x warps_n rows) a CTA computes for each work item, one after the
+    #              other: the item's header chain (item, slot ids, token weights) is paid once for all of them
 
     @property
     def tokens(self) -> int:
@@ -120,7 +124,7 @@ def _fake_args(kind: str, fmt: str, arch: str):
 
 @functools.cache
 def compiled(kind: str, knobs: tuple, fmt: str, arch: str):
-    """One compile per projection, knobs (m_tiles, warps_n, warps_k, n_tiles, unroll, beta, linear_beta, early),
+    """One compile per projection, knobs (m_tiles, warps_n, warps_k, n_tiles, unroll, beta, linear_beta, early, rl),
     format and arch; batch, widths and expert counts are dynamic. Never call inside a capture."""
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream
@@ -141,7 +145,7 @@ def run_w13(cfg: TcExpertConfig, latent, w13, act, weights, groups, beta: float,
     fmt = "bf16" if scales is None else "mxfp4"
     check(cfg, groups, latent.shape[1], fmt)
     fn = compiled("w13", (cfg.m_tiles, cfg.warps_n, cfg.warps_k, cfg.n_tiles, cfg.unroll, float(beta),
-                          float(linear_beta), cfg.early), fmt, current_arch())
+                          float(linear_beta), cfg.early, cfg.rl), fmt, current_arch())
     _launch(fn, latent, w13, scales, act, weights, groups, stream)
 
 
@@ -149,7 +153,7 @@ def run_w2(cfg: TcExpertConfig, act, w2, out, weights, groups, scales=None, stre
     """out[slot, :L] = weight[slot] * act[slot] . w2 rows (fp32), over ``groups``' work items."""
     fmt = "bf16" if scales is None else "mxfp4"
     check(cfg, groups, act.shape[1], fmt)
-    fn = compiled("w2", (cfg.m_tiles, cfg.warps_n, cfg.warps_k, cfg.n_tiles, cfg.unroll, 0.0, 0.0, cfg.early), fmt,
+    fn = compiled("w2", (cfg.m_tiles, cfg.warps_n, cfg.warps_k, cfg.n_tiles, cfg.unroll, 0.0, 0.0, cfg.early, cfg.rl), fmt,
                   current_arch())
     _launch(fn, act, w2, scales, out, weights, groups, stream)
 
@@ -186,8 +190,8 @@ def _kernel_class():
         return q << n if n >= 0 else q >> (-n)
 
     class TcExpertGemm:
-        def __init__(self, which, fmt, mt, wn, wk, nt, unroll, beta=0.0, linear_beta=0.0, early=1):
-            self.w13, self.fp4, self.early = which == "w13", fmt == "mxfp4", bool(early)
+        def __init__(self, which, fmt, mt, wn, wk, nt, unroll, beta=0.0, linear_beta=0.0, early=1, rl=1):
+            self.w13, self.fp4, self.early, self.rl = which == "w13", fmt == "mxfp4", bool(early), rl
             self.mt, self.wn, self.wk, self.nt, self.unroll = mt, wn, wk, nt, unroll
             self.mtot = 2 * mt if self.w13 else mt  # MMA row tiles a warp computes (gate + up for w13)
             self.beta, self.lin = beta, linear_beta
@@ -198,7 +202,7 @@ def _kernel_class():
                      mWt: cute.Tensor, mCnt: cute.Tensor, mItems: cute.Tensor, mSlots: cute.Tensor,
                      stream: cuda.CUstream):
             out_rows = mW.shape[1] // 2 if cutlass.const_expr(self.w13) else mW.shape[1]
-            tiles = (out_rows + self.cta_rows - 1) // self.cta_rows
+            tiles = (out_rows + self.cta_rows * self.rl - 1) // (self.cta_rows * self.rl)  # groups of rl row tiles
             ctas = cutlass.min(mItems.shape[0], cutlass.max(8, 32768 // tiles))
             self.kernel(mX, mW, mS, mOut, mWt, mCnt, mItems, mSlots).launch(
                 grid=(ctas, tiles, 1), block=(self.wn * self.wk * 32, 1, 1), stream=stream)
@@ -206,7 +210,7 @@ def _kernel_class():
         @cute.kernel
         def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mS: cute.Tensor, mOut: cute.Tensor,
                    mWt: cute.Tensor, mCnt: cute.Tensor, mItems: cute.Tensor, mSlots: cute.Tensor):
-            MT, MTOT, NT, WN, WK, U = self.mt, self.mtot, self.nt, self.wn, self.wk, self.unroll
+            MTOT, NT, WN, WK = self.mtot, self.nt, self.wn, self.wk
             tidx, _, _ = cute.arch.thread_idx()
             bidx, bidy, _ = cute.arch.block_idx()
             gdx, _, _ = cute.arch.grid_dim()
@@ -221,15 +225,10 @@ def _kernel_class():
             width = mSlots.shape[1]
             half = mW.shape[1] // 2
             out_rows = half if cutlass.const_expr(self.w13) else mW.shape[1]
+            ntiles = (out_rows + self.cta_rows - 1) // self.cta_rows
             kdim = mX.shape[1]
             # bf16: 32 K per chunk (4 lanes x 8); MXFP4: 128 K per chunk (4 lanes x one 32-code block)
             chunks = kdim // 32 if cutlass.const_expr(not self.fp4) else (kdim + 127) // 128
-            row0 = bidy * self.cta_rows + wrow * 16 * MT
-            wrows = []  # per MMA tile: rows g and g + 8 (clamped; their results are never stored)
-            for i in cutlass.range_constexpr(MTOT):
-                for h in cutlass.range_constexpr(2):
-                    r = cutlass.min(row0 + (i % MT) * 16 + g + 8 * h, out_rows - 1)
-                    wrows.append(r + half if cutlass.const_expr(self.w13 and i >= MT) else r)
             gX = cute.zipped_divide(mX, (1, VEC))
             x_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
             w_dtype = Uint8 if cutlass.const_expr(self.fp4) else BFloat16
@@ -256,45 +255,66 @@ def _kernel_class():
                             eslots.append(es)
                             if cutlass.const_expr(not self.w13):
                                 ewts.append(mWt[es // k, es % k])
-                acc = cute.make_rmem_tensor(cute.make_layout((4, MTOT, NT)), Float32)
-                acc.fill(0.0)
-                for kb in cutlass.range(wkk * U, chunks, WK * U):
-                    if cutlass.const_expr(self.fp4):
-                        self._batch_fp4(mW, mS, gX, w_atom, x_atom, mma, ex, wrows, xrows, kb, chunks, kdim, c,
-                                        acc)
-                    else:
-                        self._batch_bf16(mW, gX, w_atom, x_atom, mma, ex, wrows, xrows, kb, chunks, c, acc)
-                if cutlass.const_expr(WK > 1):  # K warps reduced in warp order: deterministic
-                    if wkk > 0:
-                        for q in cutlass.range_constexpr(nacc):
-                            red[q, lane, wrow, wkk - 1] = acc[q]
-                    cute.arch.sync_threads()
-                    if wkk == 0:
-                        for w2k in cutlass.range_constexpr(WK - 1):
-                            for q in cutlass.range_constexpr(nacc):
-                                acc[q] = acc[q] + red[q, lane, wrow, w2k]
+                if cutlass.const_expr(self.rl == 1):
+                    self._row_tile(mX, mW, mS, mOut, mWt, mSlots, gX, x_atom, w_atom, mma, red, ex, t0, ntok, xrows,
+                                   eslots, ewts, bidy, wrow, wkk, lane, g, c, k, chunks, kdim, half, out_rows)
+                else:  # rl row tiles for this item, its header loaded once
+                    for rt in cutlass.range(bidy * self.rl, cutlass.min(bidy * self.rl + self.rl, ntiles)):
+                        self._row_tile(mX, mW, mS, mOut, mWt, mSlots, gX, x_atom, w_atom, mma, red, ex, t0, ntok,
+                                       xrows, eslots, ewts, rt, wrow, wkk, lane, g, c, k, chunks, kdim, half,
+                                       out_rows)
+
+        @cute.jit
+        def _row_tile(self, mX, mW, mS, mOut, mWt, mSlots, gX, x_atom, w_atom, mma, red, ex, t0, ntok, xrows, eslots,
+                      ewts, rt, wrow, wkk, lane, g, c, k, chunks, kdim, half, out_rows):
+            """Row tile ``rt`` (cta_rows rows) of one work item: the K loop, the K-warp reduction, the epilogue."""
+            MT, MTOT, NT, WK, U = self.mt, self.mtot, self.nt, self.wk, self.unroll
+            nacc = 4 * MTOT * NT
+            row0 = rt * self.cta_rows + wrow * 16 * MT
+            wrows = []  # per MMA tile: rows g and g + 8 (clamped; their results are never stored)
+            for i in cutlass.range_constexpr(MTOT):
+                for h in cutlass.range_constexpr(2):
+                    r = cutlass.min(row0 + (i % MT) * 16 + g + 8 * h, out_rows - 1)
+                    wrows.append(r + half if cutlass.const_expr(self.w13 and i >= MT) else r)
+            acc = cute.make_rmem_tensor(cute.make_layout((4, MTOT, NT)), Float32)
+            acc.fill(0.0)
+            for kb in cutlass.range(wkk * U, chunks, WK * U):
+                if cutlass.const_expr(self.fp4):
+                    self._batch_fp4(mW, mS, gX, w_atom, x_atom, mma, ex, wrows, xrows, kb, chunks, kdim, c,
+                                    acc)
+                else:
+                    self._batch_bf16(mW, gX, w_atom, x_atom, mma, ex, wrows, xrows, kb, chunks, c, acc)
+            if cutlass.const_expr(WK > 1):  # K warps reduced in warp order: deterministic
+                if wkk > 0:
+                    for q in cutlass.range_constexpr(nacc):
+                        red[q, lane, wrow, wkk - 1] = acc[q]
+                cute.arch.sync_threads()
                 if wkk == 0:
-                    # accumulator q of tile (i, jt): row g + 8 (q // 2), token 2 c + q % 2 of the tile
-                    for i in cutlass.range_constexpr(MT):
-                        for jt in cutlass.range_constexpr(NT):
-                            for q in cutlass.range_constexpr(4):
-                                row = row0 + i * 16 + g + 8 * (q // 2)
-                                t = jt * 8 + 2 * c + q % 2
-                                if t < ntok and row < out_rows:
-                                    slot = (eslots[2 * jt + q % 2] if cutlass.const_expr(self.early)
-                                            else mSlots[ex, t0 + t])
-                                    s = acc[q, i, jt]
-                                    if cutlass.const_expr(self.w13):
-                                        up = cutlass.max(cutlass.min(acc[q, MT + i, jt], Float32(self.lin)),
-                                                         Float32(-self.lin))
-                                        sig = Float32(1.0) / (Float32(1.0) + cute.math.exp(-Float32(self.beta) * s))
-                                        mOut[slot, row] = (s * sig * up).to(BFloat16)
-                                    else:
-                                        wt = (ewts[2 * jt + q % 2] if cutlass.const_expr(self.early)
-                                              else mWt[slot // k, slot % k])
-                                        mOut[slot, row] = s * wt
-                if cutlass.const_expr(WK > 1):
-                    cute.arch.sync_threads()  # red is reused by the next item
+                    for w2k in cutlass.range_constexpr(WK - 1):
+                        for q in cutlass.range_constexpr(nacc):
+                            acc[q] = acc[q] + red[q, lane, wrow, w2k]
+            if wkk == 0:
+                # accumulator q of tile (i, jt): row g + 8 (q // 2), token 2 c + q % 2 of the tile
+                for i in cutlass.range_constexpr(MT):
+                    for jt in cutlass.range_constexpr(NT):
+                        for q in cutlass.range_constexpr(4):
+                            row = row0 + i * 16 + g + 8 * (q // 2)
+                            t = jt * 8 + 2 * c + q % 2
+                            if t < ntok and row < out_rows:
+                                slot = (eslots[2 * jt + q % 2] if cutlass.const_expr(self.early)
+                                        else mSlots[ex, t0 + t])
+                                s = acc[q, i, jt]
+                                if cutlass.const_expr(self.w13):
+                                    up = cutlass.max(cutlass.min(acc[q, MT + i, jt], Float32(self.lin)),
+                                                     Float32(-self.lin))
+                                    sig = Float32(1.0) / (Float32(1.0) + cute.math.exp(-Float32(self.beta) * s))
+                                    mOut[slot, row] = (s * sig * up).to(BFloat16)
+                                else:
+                                    wt = (ewts[2 * jt + q % 2] if cutlass.const_expr(self.early)
+                                          else mWt[slot // k, slot % k])
+                                    mOut[slot, row] = s * wt
+            if cutlass.const_expr(WK > 1):
+                cute.arch.sync_threads()  # red is reused by the next row tile or item
 
         @cute.jit
         def _batch_bf16(self, mW, gX, w_atom, x_atom, mma, ex, wrows, xrows, kb, chunks, c, acc):
