@@ -38,6 +38,8 @@ for spec in ${SPEC:-configs/sweep_h200_dense.toml}; do  # one after the other in
   [ $rc = 0 ] || { echo "stopped: $spec did not finish; resume with START_DB=<this call's sweep.sqlite.xz>"; break; }
 done
 grep -E '"(trials|seconds|failed|problems_done|polish_passes|polish_changed|polish_s|polish_plan_s|polish_build_s|worker_build_s)"' $OUT/sweep.log
+# a sweep that a timeout killed leaves its committed trials in the WAL file: fold them into the main file first
+python3 -c "import sqlite3; c = sqlite3.connect('/tmp/sweep.sqlite'); c.execute('PRAGMA wal_checkpoint(TRUNCATE)'); c.close()"
 xz -T0 -c /tmp/sweep.sqlite > $OUT/sweep.sqlite.xz  # every trial, for the notebook (the export keeps winners only)
 python3 -c "from k3tune.store.db import Database; from k3tune.store.inspect import is_current; \
 from k3tune.store.transfer import export; \
