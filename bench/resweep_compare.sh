@@ -14,6 +14,8 @@
 # several specs (space-separated), swept one after the other into the same DB (a block spec's blocks run the dense
 # kernels that DB holds: put the dense spec first; a spec that does not finish stops the rest), e.g.
 #   SPEC="configs/sweep_h200_moe_bf16.toml configs/sweep_h200_moe_bf16_zipf.toml" SWEEP_S=270 BENCH=0 bash bench/resweep_compare.sh 1
+# SWEEP_S may list one limit per spec, in SPEC's order (the last one serves the rest), e.g. SWEEP_S="150 150 330"
+# (s19: the MXFP4 block specs need ~300 s, the bf16 ones ~130 s).
 set -uo pipefail
 source .carry/cutedsl/unpack.sh || exit 1
 N=${1:-2}
@@ -29,8 +31,11 @@ else
   cp tuning_db/h200.sqlite /tmp/sweep.sqlite
 fi
 cache=$(mktemp -d)  # one kernel cache for every spec's workers
+limits=(${SWEEP_S:-240})
+i=0
 for spec in ${SPEC:-configs/sweep_h200_dense.toml}; do  # one after the other into the same DB, SWEEP_S each
-  K3TUNE_KERNEL_CACHE=$cache K3TUNE_WORKER_KERNEL_CACHE=1 timeout ${SWEEP_S:-240} python3 bench/device_sweep.py \
+  limit=${limits[$i]:-${limits[-1]}}; i=$((i + 1))
+  K3TUNE_KERNEL_CACHE=$cache K3TUNE_WORKER_KERNEL_CACHE=1 timeout $limit python3 bench/device_sweep.py \
     --spec $spec --db /tmp/sweep.sqlite --gpus $N --compile-procs ${COMPILE_PROCS:-29} >> $OUT/sweep.log 2>&1
   rc=$?; echo "sweep $spec rc=$rc"
   # a spec cut short leaves problems undecided: the MoE block specs after it measure the dense kernels that
