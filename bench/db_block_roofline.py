@@ -11,6 +11,7 @@ import argparse
 import json
 import random
 import sqlite3
+from pathlib import Path
 
 from moe import block_bytes
 
@@ -20,9 +21,14 @@ from k3tune.shipped import configs_dir, tuning_db_dir
 
 
 def block_medians(path: str) -> dict:
+    if not Path(path).is_file():
+        raise SystemExit(f"db_block_roofline: no database at {path}")
     db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
-    rows = db.execute("select p.dims, w.median_us from winners w join problems p on p.id = w.problem_id "
-                      "where p.kind = 'moe_block'")
+    try:
+        rows = db.execute("select p.dims, w.median_us from winners w join problems p on p.id = w.problem_id "
+                          "where p.kind = 'moe_block'").fetchall()
+    except sqlite3.DatabaseError as e:
+        raise SystemExit(f"db_block_roofline: {path} is not a k3tune tuning database ({e})") from None
     return {(d["format"], d.get("routing", "uniform"), d["tp"], d["M"]): us for d, us in
             ((json.loads(dims), us) for dims, us in rows)}
 
