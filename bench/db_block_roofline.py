@@ -8,29 +8,25 @@ between served benches (the sweep samples its own routing), never a substitute f
 from __future__ import annotations
 
 import argparse
-import json
 import random
-import sqlite3
-from pathlib import Path
 
 from moe import block_bytes
+from sqlalchemy import select
 
+from k3tune.errors import K3TuneError
 from k3tune.plan import routing as routings
 from k3tune.runtime.moe import BlockShape
 from k3tune.shipped import configs_dir, tuning_db_dir
+from k3tune.store.db import Database
+from k3tune.store.models import ProblemRow, Winner
 
 
 def block_medians(path: str) -> dict:
-    if not Path(path).is_file():
-        raise SystemExit(f"db_block_roofline: no database at {path}")
-    db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
-    try:
-        rows = db.execute("select p.dims, w.median_us from winners w join problems p on p.id = w.problem_id "
-                          "where p.kind = 'moe_block'").fetchall()
-    except sqlite3.DatabaseError as e:
-        raise SystemExit(f"db_block_roofline: {path} is not a k3tune tuning database ({e})") from None
-    return {(d["format"], d.get("routing", "uniform"), d["tp"], d["M"]): us for d, us in
-            ((json.loads(dims), us) for dims, us in rows)}
+    """(format, routing, tp, tokens) -> the MoE block winner's median (us), read through the store."""
+    with Database(path, create=False, readonly=True).session() as s:
+        rows = s.execute(select(ProblemRow.dims, Winner.median_us).join(ProblemRow, ProblemRow.id == Winner.problem_id)
+                         .where(ProblemRow.kind == "moe_block")).all()
+    return {(d["format"], d.get("routing", "uniform"), d["tp"], d["M"]): us for d, us in rows}
 
 
 def main() -> None:
@@ -40,8 +36,11 @@ def main() -> None:
     ap.add_argument("--bw", type=float, default=4.19e12, help="measured copy bandwidth, bytes/s")
     args = ap.parse_args()
     sh = BlockShape.from_config(configs_dir() / "kimi_k3_config.json")
-    new = block_medians(args.db)
-    old = block_medians(args.base) if args.base else {}
+    try:
+        new = block_medians(args.db)
+        old = block_medians(args.base) if args.base else {}
+    except K3TuneError as e:
+        raise SystemExit(f"db_block_roofline: {e}") from None
     for fmt, rt, tp in sorted({k[:3] for k in new}):
         cells = []
         for m in sorted(k[3] for k in new if k[:3] == (fmt, rt, tp)):
