@@ -27,12 +27,16 @@ for all of them and each further tile's loads depend only on the expert id and t
 ``dq`` = 1 decodes codes repacked once at load time (``pack_codes``, see ``DQ_PAIRS``): 9 integer instructions per
 32-bit word instead of 15, and the activations need no re-pairing. It pays where issue bounds the kernel: w2 at TP16
 b64 (ncu stalls mostly math-pipe throttle) ran 121 -> 103 us; w13 (mostly long-scoreboard stalls: waiting on its
-loads, 24-29% occupancy) did not speed up (s20-r2/r3, bench/results/2026-12-02-s20-*).
+loads, 24-29% occupancy) did not speed up (s20-r2/r3, bench/results/2026-12-02-s20-*). For such a kernel ``pf`` > 0
+has each warp pull its rows' weights ``pf`` load batches ahead into L2 (``cp.async.bulk.prefetch``, one per row and
+batch, issued before the batch it overlaps): bytes in flight that hold no registers.
 Scales above 2^1 are refused by ``check_scales`` (bf16 cannot hold the 2^(s-1) multiplier; K3's weight
 scales are far below).
 
 Status: compiles on the CPU for sm_90a and sm_100a (tests/test_kernel_compile.py); GPU numerics
-(tests/test_gpu_moe_tc.py) pass on the H200 for bf16 and MXFP4 at K3's shapes (2026-11-29, session 4).
+(tests/test_gpu_moe_tc.py) pass on the H200 for bf16 and MXFP4 at K3's shapes (2026-11-29, session 4; dq 2026-12-02,
+session 20). ``pf`` compiles on the CPU; its GPU numerics and speed are not measured yet (session 20 ran out of device
+time).
 Speed against the CUDA-core kernels: bench/moe_experts.py (bench/results/2026-11-29-s4-r1-moe-experts.log).
 The block executor (runtime/moe.py) runs them when the block's ``experts_kernel`` knob says so, and always
 for MXFP4 experts.
@@ -131,6 +135,8 @@ class TcExpertConfig:
     #              other: the item's header chain (item, slot ids, token weights) is paid once for all of them
     dq: int = 0  # MXFP4 only. 1: codes repacked by ``pack_codes`` (wrapped in ``PackedCodes``), decoded by one
     #              rotate and one mask per bf16x2 pair, activations paired as loaded; 0: codes as K3 ships them
+    pf: int = 0  # load batches ahead whose weight bytes each warp pulls into L2 (cp.async.bulk.prefetch, one per row):
+    #              bytes in flight that cost no registers, for a kernel that waits on its loads (0: off)
 
     @property
     def tokens(self) -> int:
@@ -200,7 +206,7 @@ def _fake_args(kind: str, fmt: str, arch: str):
 @functools.cache
 def compiled(kind: str, knobs: tuple, fmt: str, arch: str):
     """One compile per projection, knobs (m_tiles, warps_n, warps_k, n_tiles, unroll, beta, linear_beta, early, rl,
-    dq), format and arch; batch, widths and expert counts are dynamic. Never call inside a capture."""
+    dq, pf), format and arch; batch, widths and expert counts are dynamic. Never call inside a capture."""
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream
 
@@ -221,7 +227,7 @@ def run_w13(cfg: TcExpertConfig, latent, w13, act, weights, groups, beta: float,
     check(cfg, groups, latent.shape[1], fmt)
     w13, dq = _operand(cfg, w13, fmt)
     fn = compiled("w13", (cfg.m_tiles, cfg.warps_n, cfg.warps_k, cfg.n_tiles, cfg.unroll, float(beta),
-                          float(linear_beta), cfg.early, cfg.rl, dq), fmt, current_arch())
+                          float(linear_beta), cfg.early, cfg.rl, dq, cfg.pf), fmt, current_arch())
     _launch(fn, latent, w13, scales, act, weights, groups, stream)
 
 
@@ -231,7 +237,7 @@ def run_w2(cfg: TcExpertConfig, act, w2, out, weights, groups, scales=None, stre
     check(cfg, groups, act.shape[1], fmt)
     w2, dq = _operand(cfg, w2, fmt)
     fn = compiled("w2", (cfg.m_tiles, cfg.warps_n, cfg.warps_k, cfg.n_tiles, cfg.unroll, 0.0, 0.0, cfg.early, cfg.rl,
-                         dq), fmt, current_arch())
+                         dq, cfg.pf), fmt, current_arch())
     _launch(fn, act, w2, scales, out, weights, groups, stream)
 
 
@@ -271,6 +277,7 @@ def _kernel_class():
     import cutlass.cute as cute
     from cuda.bindings import driver as cuda
     from cutlass import BFloat16, Float32, Int32, Uint8
+    from cutlass.experimental.primitives import cp_async_bulk_prefetch
 
     from k3tune.kernels.moe_experts import ITEM_SHIFT
 
@@ -290,9 +297,9 @@ def _kernel_class():
         return out
 
     class TcExpertGemm:
-        def __init__(self, which, fmt, mt, wn, wk, nt, unroll, beta=0.0, linear_beta=0.0, early=1, rl=1, dq=0):
+        def __init__(self, which, fmt, mt, wn, wk, nt, unroll, beta=0.0, linear_beta=0.0, early=1, rl=1, dq=0, pf=0):
             self.w13, self.fp4, self.early, self.rl = which == "w13", fmt == "mxfp4", bool(early), rl
-            self.dq = bool(dq) and self.fp4
+            self.dq, self.pf = bool(dq) and self.fp4, pf
             self.mt, self.wn, self.wk, self.nt, self.unroll = mt, wn, wk, nt, unroll
             self.mtot = 2 * mt if self.w13 else mt  # MMA row tiles a warp computes (gate + up for w13)
             self.beta, self.lin = beta, linear_beta
@@ -379,7 +386,13 @@ def _kernel_class():
                     wrows.append(r + half if cutlass.const_expr(self.w13 and i >= MT) else r)
             acc = cute.make_rmem_tensor(cute.make_layout((4, MTOT, NT)), Float32)
             acc.fill(0.0)
+            gP = cute.zipped_divide(mW[ex, None, None], (1, 16 if cutlass.const_expr(self.fp4) else VEC))
+            if cutlass.const_expr(self.pf > 1):  # batches 1 .. pf - 1 (batch 0 is loaded at once; pf, in the loop)
+                for d in cutlass.range_constexpr(1, self.pf):
+                    self._prefetch(gP, mW, row0, half, out_rows, lane, wkk * U + d * WK * U, chunks)
             for kb in cutlass.range(wkk * U, chunks, WK * U):
+                if cutlass.const_expr(self.pf > 0):  # pf batches ahead of this one, while this one is decoded
+                    self._prefetch(gP, mW, row0, half, out_rows, lane, kb + self.pf * WK * U, chunks)
                 if cutlass.const_expr(self.fp4):
                     self._batch_fp4(mW, mS, gX, w_atom, x_atom, mma, ex, wrows, xrows, kb, chunks, kdim, c,
                                     acc)
@@ -416,6 +429,23 @@ def _kernel_class():
                                     mOut[slot, row] = s * wt
             if cutlass.const_expr(WK > 1):
                 cute.arch.sync_threads()  # red is reused by the next row tile or item
+
+        @cute.jit
+        def _prefetch(self, gP, mW, row0, half, out_rows, lane, kb, chunks):
+            """L2 prefetch of this warp's rows over the U chunks from chunk ``kb`` (64 bytes a row and chunk in both
+            formats): lane l takes row l (and l + 32 ...) of the warp's 16 x MTOT rows, one bulk prefetch each."""
+            MT, MTOT, U = self.mt, self.mtot, self.unroll
+            if kb < chunks:
+                rowbytes = mW.shape[2] if cutlass.const_expr(self.fp4) else mW.shape[2] * 2
+                nbytes = cutlass.min(rowbytes - kb * 64, U * 64)  # a multiple of 16: K is one of 32 (check)
+                for q in cutlass.range_constexpr((16 * MTOT + 31) // 32):
+                    idx = lane + 32 * q
+                    if idx < 16 * MTOT:
+                        i = idx // 16
+                        r = cutlass.min(row0 + (i % MT) * 16 + idx % 16, out_rows - 1)
+                        if cutlass.const_expr(self.w13):  # up rows sit half a matrix below their gate rows
+                            r = r + cutlass.select_(i >= MT, half, 0)
+                        cp_async_bulk_prefetch(gP[(None, (r, kb * 4))].iterator, nbytes)
 
         @cute.jit
         def _batch_bf16(self, mW, gX, w_atom, x_atom, mma, ex, wrows, xrows, kb, chunks, c, acc):
