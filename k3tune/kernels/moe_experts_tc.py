@@ -18,7 +18,10 @@ operands (the products are unchanged): bf16 — lane ``t`` loads 8 weights at ``
 bytes = 32 codes = one scale block (``128 j + 32 (t % 4)``) of each row; a code pair (nibble i, nibble i + 4)
 of a 32-bit word becomes a bf16x2 register with two shifts and masks (3 magnitude bits to bf16 bits 6-8,
 the sign to bit 15: the value times 2^-126, E2M1's two subnormal codes landing on bf16 subnormals), then one
-``fma.rn.bf16x2`` by 2^(scale - 1) restores the value exactly; the activations are paired to match.
+``fma.rn.bf16x2`` by 2^(scale - 1) restores the value exactly; the activations are paired to match. Blocks past
+K's whole 128-K chunks run after the loop: three as one more chunk (a lane dead), one or two as half a chunk (lane
+``t`` takes 8 bytes, half ``t % 2`` of block ``t % 4 // 2``: 4 k16 steps, no lane dead; at TP16 w2's K = 192 is one
+chunk and such a half, where a whole second chunk decoded 2 dead blocks of 4 into an issue-bound kernel).
 The epilogue's slot ids, slot weights and token count are loaded with the work item's header (``early``, the
 default), not after the MMAs: at TP16 w2's K is 192, so a CTA's whole life is one item's chain of dependent loads
 (s18-r5: w2 at 0.33 of its byte floor), and this takes one step out of it. ``rl`` row tiles per CTA and item go
@@ -390,14 +393,21 @@ def _kernel_class():
             if cutlass.const_expr(self.pf > 1):  # batches 1 .. pf - 1 (batch 0 is loaded at once; pf, in the loop)
                 for d in cutlass.range_constexpr(1, self.pf):
                     self._prefetch(gP, mW, row0, half, out_rows, lane, wkk * U + d * WK * U, chunks)
-            for kb in cutlass.range(wkk * U, chunks, WK * U):
+            blocks = kdim // FP4_BLOCK  # MXFP4 blocks: whole 128-K chunks in the loop, the 1-3 past them after it
+            full = blocks // 4 if cutlass.const_expr(self.fp4) else chunks
+            for kb in cutlass.range(wkk * U, full, WK * U):
                 if cutlass.const_expr(self.pf > 0):  # pf batches ahead of this one, while this one is decoded
                     self._prefetch(gP, mW, row0, half, out_rows, lane, kb + self.pf * WK * U, chunks)
                 if cutlass.const_expr(self.fp4):
-                    self._batch_fp4(mW, mS, gX, w_atom, x_atom, mma, ex, wrows, xrows, kb, chunks, kdim, c,
-                                    acc)
+                    self._batch_fp4(mW, mS, gX, w_atom, x_atom, mma, ex, wrows, xrows, kb, full * 4, c, acc, U)
                 else:
                     self._batch_bf16(mW, gX, w_atom, x_atom, mma, ex, wrows, xrows, kb, chunks, c, acc)
+            if cutlass.const_expr(self.fp4):  # the blocks past the whole chunks, on the warp next in turn
+                if wkk == ((full + U - 1) // U) % WK:
+                    if blocks - full * 4 > 2:
+                        self._batch_fp4(mW, mS, gX, w_atom, x_atom, mma, ex, wrows, xrows, full, blocks, c, acc, 1)
+                    elif blocks > full * 4:
+                        self._half_fp4(mW, mS, gX, x_atom, mma, ex, wrows, xrows, full, blocks, c, acc)
             if cutlass.const_expr(WK > 1):  # K warps reduced in warp order: deterministic
                 if wkk > 0:
                     for q in cutlass.range_constexpr(nacc):
@@ -482,10 +492,10 @@ def _kernel_class():
                     acc[q] = acc[q] + tmp[q] * keep
 
         @cute.jit
-        def _batch_fp4(self, mW, mS, gX, w_atom, x_atom, mma, ex, wrows, xrows, kb, chunks, kdim, c, acc):
-            MTOT, NT, U = self.mtot, self.nt, self.unroll
+        def _batch_fp4(self, mW, mS, gX, w_atom, x_atom, mma, ex, wrows, xrows, kb, blocks, c, acc, U: int):
+            """U 128-K chunks from chunk kb, lane c on block 4 (kb + u) + c; blocks at or past ``blocks`` count 0."""
+            MTOT, NT = self.mtot, self.nt
             gW = cute.zipped_divide(mW[ex, None, None], (1, 16))  # 16 bytes = 32 codes = one scale block
-            blocks = kdim // FP4_BLOCK
             rq = cute.make_rmem_tensor(cute.make_layout((16, 2 * MTOT, U)), Uint8)
             rx = cute.make_rmem_tensor(cute.make_layout((VEC, 4, NT, U)), BFloat16)
             sc = cute.make_rmem_tensor(cute.make_layout((2 * MTOT, U)), Int32)
@@ -504,50 +514,76 @@ def _kernel_class():
                     for v in cutlass.range_constexpr(4):
                         cute.copy(x_atom, gX[(None, (xrows[j], blk_c * 4 + v))], rx[None, v, j, u])
             fa32 = cute.recast_tensor(fa, Int32)  # (4, MTOT): a0a1, a2a3, a4a5, a6a7
+            q32 = cute.recast_tensor(rq, Int32)  # (4, 2 MTOT, U): the 16 bytes as 4 words
             for u in cutlass.range_constexpr(U):
-                q32 = cute.recast_tensor(rq, Int32)  # (4, 2 MTOT, U): the 16 bytes as 4 words
-                mul = []
-                for r in cutlass.range_constexpr(2 * MTOT):  # bf16x2 of 2^(s - 1) (0 for s = 0 or past K)
-                    bits = Int32(cutlass.select_(sc[r, u] > 0, (sc[r, u] + 126) << 7, 0))  # exponent s + 126
-                    mul.append(bits | (bits << 16))
-                if cutlass.const_expr(self.dq):
-                    self._mma_dq(mma, acc, fa, fb, fa32, q32, rx, mul, u)
-                else:
-                    for s in cutlass.range_constexpr(8):  # eight k16 steps: code pairs 2s and 2s + 1
-                        for i in cutlass.range_constexpr(MTOT):
-                            for h in cutlass.range_constexpr(2):  # pair 2s + h -> a0a1/a2a3 (h=0), a4a5/a6a7 (h=1)
-                                p = 2 * s + h
-                                jw, ni = p // 4, p % 4
-                                for rr in cutlass.range_constexpr(2):  # row g, row g + 8
-                                    qw = q32[jw, 2 * i + rr, u]
-                                    dec = (_shift(qw, 6 - 4 * ni) & MAG) | (_shift(qw, 12 - 4 * ni) & SIGN)
-                                    fa32[2 * h + rr, i] = cute.arch.fma_packed_bf16x2(dec, mul[2 * i + rr], Int32(0))
-                        for j in cutlass.range_constexpr(NT):
-                            for h in cutlass.range_constexpr(2):  # the activations at the same K, paired alike
-                                p = 2 * s + h
-                                jw, ni = p // 4, p % 4
-                                fb[2 * h, j] = rx[ni, jw, j, u]
-                                fb[2 * h + 1, j] = rx[ni + 4, jw, j, u]
-                        cute.gemm(mma, acc, fa, fb, acc)
+                self._mma_codes(mma, acc, fa, fb, fa32, q32, rx, self._scales(sc, u), u, 8)
 
         @cute.jit
-        def _mma_dq(self, mma, acc, fa, fb, fa32, q32, rx, mul, u):
-            """One 128-K chunk's eight k16 steps from dq = 1 codes: pair p of a lane's block is word p // 4's pair
-            p % 4 (DQ_PAIRS), codes 2p, 2p + 1, so its activations are bf16 pair p % 4 of vector p // 4 as loaded."""
+        def _half_fp4(self, mW, mS, gX, x_atom, mma, ex, wrows, xrows, full, blocks, c, acc):
+            """The last one or two blocks of K (at TP16 w2's K = 192 they are half a 128-K chunk): lane c takes half
+            c % 2 of block 4 full + c // 2, 8 bytes a row, so the chunk costs 4 k16 steps, not 8, and no lane decodes
+            a block past K (the full-chunk path decoded 2 dead blocks of 4 there)."""
             MTOT, NT = self.mtot, self.nt
-            rx32 = cute.recast_tensor(rx, Int32)  # (4, 4, NT, U): bf16 pairs of each 16-byte activation vector
+            gW8 = cute.zipped_divide(mW[ex, None, None], (1, 8))  # 8 bytes = 16 codes = half a scale block
+            w8_atom = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), Uint8, num_bits_per_copy=64, invariant=True)
+            rq = cute.make_rmem_tensor(cute.make_layout((8, 2 * MTOT, 1)), Uint8)
+            rx = cute.make_rmem_tensor(cute.make_layout((VEC, 2, NT, 1)), BFloat16)
+            sc = cute.make_rmem_tensor(cute.make_layout((2 * MTOT, 1)), Int32)
+            fa = cute.make_rmem_tensor(cute.make_layout((8, MTOT)), BFloat16)
+            fb = cute.make_rmem_tensor(cute.make_layout((4, NT)), BFloat16)
+            blk = full * 4 + c // 2
+            blk_c = cutlass.min(blk, blocks - 1)
+            live = Int32(cutlass.select_(blk < blocks, 1, 0))
+            hf = c % 2
+            for r in cutlass.range_constexpr(2 * MTOT):
+                cute.copy(w8_atom, gW8[(None, (wrows[r], blk_c * 2 + hf))], rq[None, r, 0])
+                sc[r, 0] = mS[ex, wrows[r], blk_c].to(Int32) * live
+            for j in cutlass.range_constexpr(NT):  # the half's two activation vectors (its words' K, as loaded)
+                for v in cutlass.range_constexpr(2):
+                    cute.copy(x_atom, gX[(None, (xrows[j], blk_c * 4 + 2 * hf + v))], rx[None, v, j, 0])
+            fa32 = cute.recast_tensor(fa, Int32)
+            q32 = cute.recast_tensor(rq, Int32)  # (2, 2 MTOT, 1)
+            self._mma_codes(mma, acc, fa, fb, fa32, q32, rx, self._scales(sc, 0), 0, 4)
+
+        @cute.jit
+        def _scales(self, sc, u):
+            """bf16x2 of 2^(s - 1) per row register (0 for s = 0 or a block past K)."""
+            mul = []
+            for r in cutlass.range_constexpr(2 * self.mtot):
+                bits = Int32(cutlass.select_(sc[r, u] > 0, (sc[r, u] + 126) << 7, 0))  # exponent s + 126
+                mul.append(bits | (bits << 16))
+            return mul
+
+        @cute.jit
+        def _mma_codes(self, mma, acc, fa, fb, fa32, q32, rx, mul, u, steps: int):
+            """``steps`` k16 steps over a lane's words (8 steps: a block's 4 words; 4: half a block's 2). Pair
+            p = 2s + h of the lane (a0a1/a2a3 for h = 0, a4a5/a6a7 for h = 1) is word p // 4's pair p % 4: in K3's
+            order nibbles p % 4 and p % 4 + 4, activations re-paired to match; in the dq = 1 layout codes 2p, 2p + 1
+            (DQ_PAIRS), whose activations are bf16 pair p % 4 of vector p // 4 as loaded."""
+            MTOT, NT = self.mtot, self.nt
+            rx32 = cute.recast_tensor(rx, Int32)  # bf16 pairs of each 16-byte activation vector
             fb32 = cute.recast_tensor(fb, Int32)  # (2, NT): b0b1, b2b3
-            for s in cutlass.range_constexpr(8):
+            for s in cutlass.range_constexpr(steps):
                 for i in cutlass.range_constexpr(MTOT):
-                    for h in cutlass.range_constexpr(2):  # pair 2s + h -> a0a1/a2a3 (h=0), a4a5/a6a7 (h=1)
+                    for h in cutlass.range_constexpr(2):
                         p = 2 * s + h
+                        jw, ni = p // 4, p % 4
                         for rr in cutlass.range_constexpr(2):  # row g, row g + 8
-                            dec = _dq_pair(q32[p // 4, 2 * i + rr, u], p % 4)
+                            qw = q32[jw, 2 * i + rr, u]
+                            if cutlass.const_expr(self.dq):
+                                dec = _dq_pair(qw, ni)
+                            else:
+                                dec = (_shift(qw, 6 - 4 * ni) & MAG) | (_shift(qw, 12 - 4 * ni) & SIGN)
                             fa32[2 * h + rr, i] = cute.arch.fma_packed_bf16x2(dec, mul[2 * i + rr], Int32(0))
                 for j in cutlass.range_constexpr(NT):
                     for h in cutlass.range_constexpr(2):
                         p = 2 * s + h
-                        fb32[h, j] = rx32[p % 4, p // 4, j, u]
+                        jw, ni = p // 4, p % 4
+                        if cutlass.const_expr(self.dq):
+                            fb32[h, j] = rx32[ni, jw, j, u]
+                        else:
+                            fb[2 * h, j] = rx[ni, jw, j, u]
+                            fb[2 * h + 1, j] = rx[ni + 4, jw, j, u]
                 cute.gemm(mma, acc, fa, fb, acc)
 
     return TcExpertGemm
