@@ -207,22 +207,23 @@ def test_the_farm_is_given_every_problems_known_candidates_at_the_start(cache, m
     from k3tune.kernels import families_for
     from k3tune.plan.problems import Problem
     from k3tune.plan.spec import SearchSettings
-    from k3tune.search.compile_farm import FARMED, CompileFarm
+    from k3tune.search.compile_farm import CompileFarm, farmed
     from k3tune.search.strategy import ProblemSearch
 
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    assert farmed("gemm.smallm") and not farmed("gemm.cublas") and not farmed("no.such_family")
     probs = [Problem("kda.o_proj", "gemm", (("M", m), ("N", 7168), ("K", 768))) for m in (1, 2)]
     settings = SearchSettings(budget=6, patience=3)
     queued = [c for p in probs for c in ProblemSearch(p, families_for(p, "gpu"), settings, seed=0).queue]
-    farmed = [c for c in queued if c.family in FARMED]
-    assert farmed and len(farmed) < len(queued), "the queue holds cuBLAS (not farmed) and CuTe candidates"
+    built = [c for c in queued if farmed(c.family)]
+    assert built and len(built) < len(queued), "the queue holds cuBLAS (not farmed) and CuTe candidates"
     with CompileFarm(0, "sm_90a") as off:
         assert off.submit_known(probs, "gpu", settings, lambda p: []) == 0
     with CompileFarm(2, "sm_90a") as farm:
-        assert farm.submit_known(probs, "gpu", settings, lambda p: []) == len(farmed)
+        assert farm.submit_known(probs, "gpu", settings, lambda p: []) == len(built)
         assert farm.submit_known(probs, "gpu", settings, lambda p: []) == 0, "each candidate once"
-        assert farm.wait() == (len(farmed), 0)
-    assert {f.name.split("-")[0] for f in cache.glob("*.o")} == {c.family.replace(".", "_") for c in farmed}
+        assert farm.wait() == (len(built), 0)
+    assert {f.name.split("-")[0] for f in cache.glob("*.o")} == {c.family.replace(".", "_") for c in built}
 
 
 def test_candidates_wanted_now_overtake_the_known_backlog(cache, monkeypatch):

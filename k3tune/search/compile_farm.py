@@ -12,13 +12,16 @@ candidate out and hands out first those whose kernels are built, so that a worke
 built candidate is left to measure (a measured 2-GPU sweep had both GPUs idle for seconds while their workers
 waited on big tensor-core builds).
 
-Only families whose ``build`` compiles eagerly from knobs and shapes alone are farmed (``FARMED``); a block
-family compiles inside its executor, at measurement time, on the GPU worker. The farm is an optimisation:
-a failed or slow compile here only means the worker compiles it itself (and records a failure, if any).
+Farmed: the families whose ``build`` compiles eagerly from knobs and shapes alone (``FARMED``), and any family
+with a ``prebuild(problem, cfg)`` that compiles, from the knobs alone, the kernels its ``build`` would compile
+later (a block family builds its executor at measurement time, on the GPU worker; its prebuild compiles that
+executor's tuned kernels here). The farm is an optimisation: a failed or slow compile here only means the worker
+compiles it itself (and records a failure, if any).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -28,6 +31,20 @@ from k3tune.plan.problems import Problem
 # families whose build() compiles its kernel from the problem and the config alone (no GPU memory needed)
 FARMED = frozenset({"gemm.smallm", "gemm.splitk_tc", "gemm.stream", "gemm.wgmma", "gemm.splitk_cluster",
                     "gemm.wgmma_ck"})
+
+
+@functools.cache
+def farmed(family: str) -> bool:
+    """Whether the farm builds this family's candidates: FARMED, or the family has a ``prebuild``."""
+    from k3tune.errors import K3TuneError
+    from k3tune.kernels import family as get_family
+
+    if family in FARMED:
+        return True
+    try:
+        return callable(getattr(get_family(family), "prebuild", None))
+    except K3TuneError:  # not registered here
+        return False
 
 
 def _init(arch: str) -> None:
@@ -43,7 +60,12 @@ def _compile(problem: Problem, family: str, params: dict) -> str:
     from k3tune.kernels import family as get_family
 
     fam = get_family(family)
-    fam.build(problem, fam.config_from_params(problem, params))
+    cfg = fam.config_from_params(problem, params)
+    prebuild = getattr(fam, "prebuild", None)
+    if callable(prebuild):
+        prebuild(problem, cfg)
+    else:
+        fam.build(problem, cfg)
     return family
 
 
@@ -98,7 +120,7 @@ class CompileFarm:
         """Build one candidate's kernel now (ahead of the backlog); False when not farmed (family, already
         submitted, or no farm)."""
         key = self._key(problem, family, params)
-        if self.pool is None or family not in FARMED or key in self.futures:
+        if self.pool is None or not farmed(family) or key in self.futures:
             return False
         self.backlog.pop(key, None)
         self._start(key, problem, family, params)
@@ -137,10 +159,10 @@ class CompileFarm:
         n = 0
         for p in problems if self.pool is not None else ():
             fams = families_for(p, backend)
-            if any(f.name in FARMED for f in fams):
+            if any(farmed(f.name) for f in fams):
                 for cand in known_candidates(p, fams, settings, warm_for(p)):
                     key = self._key(p, cand.family, cand.params)
-                    if cand.family in FARMED and key not in self.futures and key not in self.backlog:
+                    if farmed(cand.family) and key not in self.futures and key not in self.backlog:
                         self.backlog[key] = (p, cand.family, cand.params)
                         n += 1
         self.top_up()
