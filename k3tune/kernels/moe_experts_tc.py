@@ -222,39 +222,50 @@ def compiled(kind: str, knobs: tuple, fmt: str, arch: str):
     return cached_compile(f"moe_tc_{kind}", (knobs, fmt, arch), (__name__, "k3tune.kernels.moe_experts"), build)
 
 
+def kernel_knobs(kind: str, cfg: TcExpertConfig, fmt: str, beta: float = 0.0, linear_beta: float = 0.0) -> tuple:
+    """``compiled``'s knobs for one projection (w13 takes the SiTU betas; bf16 ignores dq)."""
+    betas = (float(beta), float(linear_beta)) if kind == "w13" else (0.0, 0.0)
+    return (cfg.m_tiles, cfg.warps_n, cfg.warps_k, cfg.n_tiles, cfg.unroll, *betas, cfg.early, cfg.rl,
+            cfg.dq if fmt == "mxfp4" else 0, cfg.pf)
+
+
+def prebuild(cfg13: TcExpertConfig, cfg2: TcExpertConfig, fmt: str, beta: float, linear_beta: float) -> None:
+    """Compile the two kernels a block with these configs runs, from the knobs alone (no tensors, no GPU): the
+    sweep's compile farm calls it on CPU cores, and the GPU worker then loads them from the disk cache."""
+    arch = current_arch()
+    compiled("w13", kernel_knobs("w13", cfg13, fmt, beta, linear_beta), fmt, arch)
+    compiled("w2", kernel_knobs("w2", cfg2, fmt), fmt, arch)
+
+
 def run_w13(cfg: TcExpertConfig, latent, w13, act, weights, groups, beta: float, linear_beta: float,
             scales=None, stream=None):
     """act[slot, :I] = situ(latent[tok] . gate rows, latent[tok] . up rows) over ``groups``' work items;
     ``w13`` bf16 [E, 2I, K], or MXFP4 codes uint8 [E, 2I, K/2] with ``scales`` uint8 [E, 2I, K/32]."""
     fmt = "bf16" if scales is None else "mxfp4"
     check(cfg, groups, latent.shape[1], fmt)
-    w13, dq = _operand(cfg, w13, fmt)
-    fn = compiled("w13", (cfg.m_tiles, cfg.warps_n, cfg.warps_k, cfg.n_tiles, cfg.unroll, float(beta),
-                          float(linear_beta), cfg.early, cfg.rl, dq, cfg.pf), fmt, current_arch())
-    _launch(fn, latent, w13, scales, act, weights, groups, stream)
+    fn = compiled("w13", kernel_knobs("w13", cfg, fmt, beta, linear_beta), fmt, current_arch())
+    _launch(fn, latent, _operand(cfg, w13, fmt), scales, act, weights, groups, stream)
 
 
 def run_w2(cfg: TcExpertConfig, act, w2, out, weights, groups, scales=None, stream=None):
     """out[slot, :L] = weight[slot] * act[slot] . w2 rows (fp32), over ``groups``' work items."""
     fmt = "bf16" if scales is None else "mxfp4"
     check(cfg, groups, act.shape[1], fmt)
-    w2, dq = _operand(cfg, w2, fmt)
-    fn = compiled("w2", (cfg.m_tiles, cfg.warps_n, cfg.warps_k, cfg.n_tiles, cfg.unroll, 0.0, 0.0, cfg.early, cfg.rl,
-                         dq, cfg.pf), fmt, current_arch())
-    _launch(fn, act, w2, scales, out, weights, groups, stream)
+    fn = compiled("w2", kernel_knobs("w2", cfg, fmt), fmt, current_arch())
+    _launch(fn, act, _operand(cfg, w2, fmt), scales, out, weights, groups, stream)
 
 
 def _operand(cfg: TcExpertConfig, w, fmt: str):
-    """(weight tensor, dq) for the kernel: MXFP4 codes must come in the layout ``cfg.dq`` decodes (refused, never
+    """The weight tensor for the kernel: MXFP4 codes must come in the layout ``cfg.dq`` decodes (refused, never
     misread, otherwise); bf16 weights ignore dq."""
     from k3tune.errors import ConfigError
 
     if fmt == "bf16":
-        return w, 0
+        return w
     if isinstance(w, PackedCodes) != bool(cfg.dq):
         raise ConfigError(f"MXFP4 codes for dq={cfg.dq}: expected " +
                           ("PackedCodes (tensor-core pack_codes)" if cfg.dq else "K3's codes, not PackedCodes"))
-    return (w.data if cfg.dq else w), cfg.dq
+    return w.data if cfg.dq else w
 
 
 def _launch(fn, x, w, scales, out, weights, groups, stream):
