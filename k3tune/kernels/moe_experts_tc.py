@@ -209,7 +209,8 @@ def _fake_args(kind: str, fmt: str, arch: str):
 @functools.cache
 def compiled(kind: str, knobs: tuple, fmt: str, arch: str):
     """One compile per projection, knobs (m_tiles, warps_n, warps_k, n_tiles, unroll, beta, linear_beta, early, rl,
-    dq, pf), format and arch; batch, widths and expert counts are dynamic. Never call inside a capture."""
+    dq, pf, tail: MXFP4 blocks past K's whole chunks), format and arch; batch, widths and expert counts are
+    dynamic (K within its tail class). Never call inside a capture."""
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream
 
@@ -222,19 +223,24 @@ def compiled(kind: str, knobs: tuple, fmt: str, arch: str):
     return cached_compile(f"moe_tc_{kind}", (knobs, fmt, arch), (__name__, "k3tune.kernels.moe_experts"), build)
 
 
-def kernel_knobs(kind: str, cfg: TcExpertConfig, fmt: str, beta: float = 0.0, linear_beta: float = 0.0) -> tuple:
-    """``compiled``'s knobs for one projection (w13 takes the SiTU betas; bf16 ignores dq)."""
+def kernel_knobs(kind: str, cfg: TcExpertConfig, fmt: str, k: int, beta: float = 0.0, linear_beta: float = 0.0):
+    """``compiled``'s knobs for one projection of reduction width ``k`` (w13 takes the SiTU betas; bf16 ignores dq;
+    MXFP4 compiles the path for the 0-3 blocks past K's whole 128-K chunks that this K has, and no other: the
+    unused paths cost registers, 102 -> 156 for w13)."""
     betas = (float(beta), float(linear_beta)) if kind == "w13" else (0.0, 0.0)
+    fp4 = fmt == "mxfp4"
     return (cfg.m_tiles, cfg.warps_n, cfg.warps_k, cfg.n_tiles, cfg.unroll, *betas, cfg.early, cfg.rl,
-            cfg.dq if fmt == "mxfp4" else 0, cfg.pf)
+            cfg.dq if fp4 else 0, cfg.pf, (k // FP4_BLOCK) % 4 if fp4 else 0)
 
 
-def prebuild(cfg13: TcExpertConfig, cfg2: TcExpertConfig, fmt: str, beta: float, linear_beta: float) -> None:
-    """Compile the two kernels a block with these configs runs, from the knobs alone (no tensors, no GPU): the
-    sweep's compile farm calls it on CPU cores, and the GPU worker then loads them from the disk cache."""
+def prebuild(cfg13: TcExpertConfig, cfg2: TcExpertConfig, fmt: str, latent: int, inter: int, beta: float,
+             linear_beta: float) -> None:
+    """Compile the two kernels a block with these configs runs (w13 over K = ``latent``, w2 over K = ``inter``, the
+    rank's share), from the knobs alone (no tensors, no GPU): the sweep's compile farm calls it on CPU cores, and
+    the GPU worker then loads them from the disk cache."""
     arch = current_arch()
-    compiled("w13", kernel_knobs("w13", cfg13, fmt, beta, linear_beta), fmt, arch)
-    compiled("w2", kernel_knobs("w2", cfg2, fmt), fmt, arch)
+    compiled("w13", kernel_knobs("w13", cfg13, fmt, latent, beta, linear_beta), fmt, arch)
+    compiled("w2", kernel_knobs("w2", cfg2, fmt, inter), fmt, arch)
 
 
 def run_w13(cfg: TcExpertConfig, latent, w13, act, weights, groups, beta: float, linear_beta: float,
@@ -243,7 +249,7 @@ def run_w13(cfg: TcExpertConfig, latent, w13, act, weights, groups, beta: float,
     ``w13`` bf16 [E, 2I, K], or MXFP4 codes uint8 [E, 2I, K/2] with ``scales`` uint8 [E, 2I, K/32]."""
     fmt = "bf16" if scales is None else "mxfp4"
     check(cfg, groups, latent.shape[1], fmt)
-    fn = compiled("w13", kernel_knobs("w13", cfg, fmt, beta, linear_beta), fmt, current_arch())
+    fn = compiled("w13", kernel_knobs("w13", cfg, fmt, latent.shape[1], beta, linear_beta), fmt, current_arch())
     _launch(fn, latent, _operand(cfg, w13, fmt), scales, act, weights, groups, stream)
 
 
@@ -251,7 +257,7 @@ def run_w2(cfg: TcExpertConfig, act, w2, out, weights, groups, scales=None, stre
     """out[slot, :L] = weight[slot] * act[slot] . w2 rows (fp32), over ``groups``' work items."""
     fmt = "bf16" if scales is None else "mxfp4"
     check(cfg, groups, act.shape[1], fmt)
-    fn = compiled("w2", kernel_knobs("w2", cfg, fmt), fmt, current_arch())
+    fn = compiled("w2", kernel_knobs("w2", cfg, fmt, act.shape[1]), fmt, current_arch())
     _launch(fn, act, _operand(cfg, w2, fmt), scales, out, weights, groups, stream)
 
 
@@ -311,9 +317,10 @@ def _kernel_class():
         return out
 
     class TcExpertGemm:
-        def __init__(self, which, fmt, mt, wn, wk, nt, unroll, beta=0.0, linear_beta=0.0, early=1, rl=1, dq=0, pf=0):
+        def __init__(self, which, fmt, mt, wn, wk, nt, unroll, beta=0.0, linear_beta=0.0, early=1, rl=1, dq=0, pf=0,
+                     tail=0):
             self.w13, self.fp4, self.early, self.rl = which == "w13", fmt == "mxfp4", bool(early), rl
-            self.dq, self.pf = bool(dq) and self.fp4, pf
+            self.dq, self.pf, self.tail = bool(dq) and self.fp4, pf, tail if self.fp4 else 0
             self.mt, self.wn, self.wk, self.nt, self.unroll = mt, wn, wk, nt, unroll
             self.mtot = 2 * mt if self.w13 else mt  # MMA row tiles a warp computes (gate + up for w13)
             self.beta, self.lin = beta, linear_beta
@@ -413,11 +420,11 @@ def _kernel_class():
                     self._batch_fp4(mW, mS, gX, w_atom, x_atom, mma, ex, wrows, xrows, kb, full * 4, c, acc, U)
                 else:
                     self._batch_bf16(mW, gX, w_atom, x_atom, mma, ex, wrows, xrows, kb, chunks, c, acc)
-            if cutlass.const_expr(self.fp4):  # the blocks past the whole chunks, on the warp next in turn
+            if cutlass.const_expr(self.tail > 0):  # the blocks past the whole chunks, on the warp next in turn
                 if wkk == ((full + U - 1) // U) % WK:
-                    if blocks - full * 4 > 2:
+                    if cutlass.const_expr(self.tail == 3):
                         self._batch_fp4(mW, mS, gX, w_atom, x_atom, mma, ex, wrows, xrows, full, blocks, c, acc, 1)
-                    elif blocks > full * 4:
+                    else:
                         self._half_fp4(mW, mS, gX, x_atom, mma, ex, wrows, xrows, full, blocks, c, acc)
             if cutlass.const_expr(WK > 1):  # K warps reduced in warp order: deterministic
                 if wkk > 0:
