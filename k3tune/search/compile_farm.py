@@ -33,6 +33,12 @@ FARMED = frozenset({"gemm.smallm", "gemm.splitk_tc", "gemm.stream", "gemm.wgmma"
                     "gemm.wgmma_ck"})
 
 
+def _prebuild(fam):
+    """The family's ``prebuild`` (compiles its kernels from knobs alone), or None."""
+    fn = getattr(fam, "prebuild", None)
+    return fn if callable(fn) else None
+
+
 @functools.cache
 def farmed(family: str) -> bool:
     """Whether the farm builds this family's candidates: FARMED, or the family has a ``prebuild``."""
@@ -42,7 +48,7 @@ def farmed(family: str) -> bool:
     if family in FARMED:
         return True
     try:
-        return callable(getattr(get_family(family), "prebuild", None))
+        return _prebuild(get_family(family)) is not None
     except K3TuneError:  # not registered here
         return False
 
@@ -61,11 +67,7 @@ def _compile(problem: Problem, family: str, params: dict) -> str:
 
     fam = get_family(family)
     cfg = fam.config_from_params(problem, params)
-    prebuild = getattr(fam, "prebuild", None)
-    if callable(prebuild):
-        prebuild(problem, cfg)
-    else:
-        fam.build(problem, cfg)
+    (_prebuild(fam) or fam.build)(problem, cfg)
     return family
 
 
