@@ -3,7 +3,7 @@ CUDA-core grouped GEMVs (k3tune/kernels/moe_experts.py) and the tensor-core grou
 (k3tune/kernels/moe_experts_tc.py) with bf16 experts, and the tensor-core kernels with MXFP4 experts.
 
     python bench/moe_experts.py [--tps 16,8] [--batches 8,16,32,64] [--routings uniform,zipf:1.2]
-                                [--variants cc_p1,tc_a_mxfp4] [--tc 'NAME=mt,wn,wk,nt,u[,early[,rl]]/...;...']
+                                [--variants cc_p1,tc_a_mxfp4] [--tc 'NAME=mt,wn,wk,nt,u[,early[,rl[,dq[,pf]]]]/...;...']
                                 [--profile]
 
 --tc adds tensor-core variants (w13 config / w2 config, TcExpertConfig's fields in order), each run with bf16 and
@@ -75,7 +75,10 @@ def main() -> None:
             g = torch.Generator(device="cuda").manual_seed(i)
             w13 = (torch.randn(sh.experts, 2 * inter, sh.latent, device="cuda", generator=g) / 60).to(torch.bfloat16)
             w2 = (torch.randn(sh.experts, sh.latent, inter, device="cuda", generator=g) / 20).to(torch.bfloat16)
-            layers.append({"bf16": (w13, w2), "mxfp4": (mxfp4.quantize(w13), mxfp4.quantize(w2))})
+            q13, q2 = mxfp4.quantize(w13), mxfp4.quantize(w2)
+            layers.append({"bf16": (w13, w2), "mxfp4": (q13, q2),  # and the codes as dq = 1 variants decode them
+                           "mxfp4_dq": ((moe_experts_tc.pack_codes(q13[0]), q13[1]),
+                                        (moe_experts_tc.pack_codes(q2[0]), q2[1]))})
         norm = torch.ones(sh.latent, dtype=torch.bfloat16, device="cuda")
         for batch in (int(b) for b in args.batches.split(",")):
             for routing in args.routings.split(","):
@@ -144,6 +147,7 @@ def _step(layers, fmt, v, y, x, top, norm, sh, batch):
                 moe_experts_tc.run_w13(v[0], x, w13, b["act"], b["wts"], b["groups"], 4.0, 25.0)
                 moe_experts_tc.run_w2(v[1], b["act"], w2, b["out"], b["wts"], b["groups"])
             else:
+                w13, w2 = lay["mxfp4_dq" if v[0].dq else "mxfp4"][0], lay["mxfp4_dq" if v[1].dq else "mxfp4"][1]
                 moe_experts_tc.run_w13(v[0], x, w13[0], b["act"], b["wts"], b["groups"], 4.0, 25.0, scales=w13[1])
                 moe_experts_tc.run_w2(v[1], b["act"], w2[0], b["out"], b["wts"], b["groups"], scales=w2[1])
             moe_experts.sum_norm(b["out"], norm, b["normed"], k, 1e-5, b["groups"])

@@ -201,6 +201,50 @@ def test_the_compile_farm_fills_the_cache_that_workers_load_from(cache, monkeypa
     assert out.stdout.split()[-1] == "0", "the worker-side build loaded the farm's kernels"
 
 
+_LOAD_BLOCK = """
+import json, sys, warnings
+warnings.simplefilter("ignore", DeprecationWarning)
+from k3tune.kernels import compile_cache, family
+from k3tune.plan.problems import Problem
+compile_cache.install()
+op, kind, dims = json.loads(sys.argv[1])
+p = Problem(op, kind, tuple(tuple(d) for d in dims))
+fam = family("moe.overlap")
+fam.prebuild(p, fam.config_from_params(p, json.loads(sys.argv[2])))
+print(len(compile_cache.COMPILED))
+"""
+
+
+def test_the_compile_farm_builds_a_blocks_expert_kernels(cache, monkeypatch):
+    """A block family is farmed through its prebuild: the farm compiles the two tensor-core expert kernels an
+    MXFP4 candidate runs, and a separate process asking for them again (as the worker's executor does) compiles
+    none."""
+    import json
+    import subprocess
+    import sys
+
+    from k3tune.kernels import family
+    from k3tune.plan.problems import Problem
+    from k3tune.search.compile_farm import CompileFarm, farmed
+
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    dims = (("tp", 16), ("M", 8), ("experts", 896), ("top_k", 16), ("latent", 3584), ("inter", 192),
+            ("shared_inter", 384), ("hidden", 7168), ("format", "mxfp4"), ("routing", "uniform"))
+    p = Problem("moe.block", "moe_block", dims)
+    fam = family("moe.overlap")
+    params = {**fam.default(p).params(), "tc2_pf": 1}
+    assert farmed("moe.overlap") and not farmed("moe.stock")
+    with CompileFarm(1, "sm_90a") as farm:
+        assert farm.submit(p, "moe.overlap", params)
+        assert farm.wait() == (1, 0)
+    assert sorted(f.name.split("-")[0] for f in cache.glob("*.o")) == ["moe_tc_w13", "moe_tc_w2"]
+    out = subprocess.run([sys.executable, "-c", _LOAD_BLOCK, json.dumps([p.op, p.kind, dims]), json.dumps(params)],
+                         capture_output=True, text=True, timeout=300,
+                         env={**__import__("os").environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-1] == "0", "the executor-side build loaded the farm's kernels"
+
+
 def test_the_farm_is_given_every_problems_known_candidates_at_the_start(cache, monkeypatch):
     """A sweep hands the farm each problem's queued candidates (defaults, seeds) before any is opened: the farmed
     families' ones only, each once, and they land in the cache."""

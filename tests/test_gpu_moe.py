@@ -40,6 +40,23 @@ def test_tuned_block_runs_measured_kernels_and_matches(tp, batch, fmt):
     _check(blk, w, batch)
 
 
+def test_mxfp4_block_on_repacked_codes_matches():
+    """Expert kernels that decode the dq = 1 layout: the block repacks the codes once and matches the reference."""
+    from dataclasses import replace
+
+    from k3tune.kernels import moe_experts_tc
+    from k3tune.runtime import Selector
+
+    c13, c2, per = moe_experts_tc.default_config(8)
+    w = random_weights(K3, 16, fmt="mxfp4", device="cuda", seed=11)
+    blk = MoEBlock.build(w, "tuned", batch=8, selector=Selector.load(),
+                         experts_cfg=(replace(c13, dq=1), replace(c2, dq=1), per))
+    assert "dq=1" in blk.ran["experts"], blk.ran["experts"]
+    assert isinstance(blk._cache["w13_codes"], moe_experts_tc.PackedCodes)
+    assert isinstance(blk._cache["w2_codes"], moe_experts_tc.PackedCodes)
+    _check(blk, w, 8)
+
+
 @pytest.mark.parametrize("tp", [8, 16])
 def test_stock_block_matches(tp):
     w = random_weights(K3, tp, device="cuda", seed=tp)

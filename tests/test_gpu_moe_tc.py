@@ -34,16 +34,22 @@ def test_tensor_core_expert_kernels_match_torch(b, k, experts, inter, latent, fm
         moe_experts_tc.check_scales(s13)
         moe_experts_tc.check_scales(s2)
         w13_ref, w2_ref = mxfp4.dequantize(c13, s13).float(), mxfp4.dequantize(c2, s2).float()
-        args13, args2 = (c13, dict(scales=s13)), (c2, dict(scales=s2))
+        packed13, packed2 = moe_experts_tc.pack_codes(c13), moe_experts_tc.pack_codes(c2)  # the dq = 1 layout
     else:
         w13_ref, w2_ref = w13.float(), w2.float()
-        args13, args2 = (w13, {}), (w2, {})
-    knobs = [TcExpertConfig(1, 2, 2, 1, 2), TcExpertConfig(2, 1, 4, 2, 1, early=0, rl=2),
-             TcExpertConfig(1, 4, 1, 2, 2), TcExpertConfig(2, 2, 2, 1, 1, early=0, rl=4),
-             TcExpertConfig(2, 2, 1, 4, 1, rl=3), TcExpertConfig(1, 2, 2, 4, 1, rl=8)]
-    # both epilogues (early loads on and off) on each side, one row tile or several per item (rl; groups that
-    # run past the last row tile: 5 w13 tiles in groups of 2 at inter 160); the last pair: 32-token items
+    knobs = [TcExpertConfig(1, 2, 2, 1, 2, pf=1), TcExpertConfig(2, 1, 4, 2, 1, early=0, rl=2, dq=1, pf=2),
+             TcExpertConfig(1, 4, 1, 2, 2, dq=1), TcExpertConfig(2, 2, 2, 1, 1, early=0, rl=4, pf=2),
+             TcExpertConfig(2, 2, 1, 4, 1, rl=3, dq=1, pf=1), TcExpertConfig(1, 2, 2, 4, 1, rl=8, dq=1)]
+    # both epilogues (early loads on and off), both MXFP4 decode layouts (dq) and L2 prefetch on and off (pf; the
+    # last rows of the last expert: a prefetch past its end would fault) on each side, one row tile or several per
+    # item (rl; groups that run past the last row tile: 5 w13 tiles in groups of 2 at inter 160); the last pair:
+    # 32-token items
     for cfg13, cfg2 in [*itertools.product(knobs[:2], knobs[2:4]), (knobs[4], knobs[5])]:
+        if fmt == "mxfp4":
+            args13 = (packed13 if cfg13.dq else c13, dict(scales=s13))
+            args2 = (packed2 if cfg2.dq else c2, dict(scales=s2))
+        else:
+            args13, args2 = (w13, {}), (w2, {})
         per = min(cfg13.tokens, cfg2.tokens)
         grp = Groups.allocate(experts, b, k, per, "cuda")
         top = torch.full((b, k), -1, dtype=torch.int32, device="cuda")

@@ -31,6 +31,35 @@ def test_mxfp4_quantisation_error_is_bounded():
     assert mxfp4.nbytes(64, 256) == 64 * 128 + 64 * 8
 
 
+def test_mxfp4_decode_layout_gives_every_value_exactly():
+    """The tensor-core kernels' dq = 1 layout: packed codes decoded as the kernel does (rotate, mask per pair) are
+    each value x 2^-126 as bf16 bits, in K order, for every code in every position of a word."""
+    from k3tune.kernels import moe_experts_tc as tc
+
+    codes = torch.randint(0, 256, (3, 7, 64), dtype=torch.uint8)
+    codes[0, 0] = torch.arange(16, dtype=torch.uint8).repeat(4) * 17  # each code in each nibble
+    packed = tc.pack_codes(codes, chunk_words=5)  # several chunks, a ragged last one
+    assert packed.data.shape == codes.shape and not torch.equal(packed.data, codes)
+    bits = tc.dq_decode_reference(packed.data).to(torch.int32)
+    got = torch.where(bits >= 1 << 15, bits - (1 << 16), bits).to(torch.int16).view(torch.bfloat16).float()
+    ones = torch.full((3, 7, 4), 127, dtype=torch.uint8)  # scale 2^0
+    assert torch.equal(got * 2.0 ** 126, mxfp4.dequantize(codes, ones, torch.float32))
+
+
+def test_mxfp4_codes_in_the_other_layout_are_refused():
+    from types import SimpleNamespace
+
+    from k3tune.kernels import moe_experts_tc as tc
+
+    codes, scales = mxfp4.quantize(torch.randn(2, 8, 64))
+    grp = SimpleNamespace(per=1)
+    x, act = torch.zeros(1, 64, dtype=torch.bfloat16), torch.zeros(1, 4, dtype=torch.bfloat16)
+    with pytest.raises(ConfigError, match="dq=1: expected PackedCodes"):
+        tc.run_w13(tc.TcExpertConfig(dq=1), x, codes, act, None, grp, 4.0, 25.0, scales=scales)
+    with pytest.raises(ConfigError, match="dq=0: expected K3's codes"):
+        tc.run_w13(tc.TcExpertConfig(), x, tc.pack_codes(codes), act, None, grp, 4.0, 25.0, scales=scales)
+
+
 def test_mxfp4_refuses_ragged_k():
     with pytest.raises(ConfigError, match="multiple of 32"):
         mxfp4.quantize(torch.randn(4, 48))

@@ -197,6 +197,10 @@ class MoeOverlapConfig(KernelConfig):
     tc13_rl: int = 1  # row tiles a CTA computes per work item (the item's header loaded once for them)
     tc2_rl: int = 1
     tc_early: int = 0  # the epilogue's slot ids/weights loaded with the item header (s19-r1: MXFP4 faster, bf16 slower)
+    tc13_dq: int = 0  # MXFP4 decode layout per kernel: 1 = codes repacked for a rotate-and-mask decode
+    tc2_dq: int = 0  # (moe_experts_tc.pack_codes; s20: w2 4-6% faster steps, w13 no gain); bf16 ignores them
+    tc13_pf: int = 0  # load batches ahead whose weights each warp pulls into L2 (s20-r2: MXFP4 w13 waits on its loads)
+    tc2_pf: int = 0
 
 
 class MoeOverlap(_BlockOnGpu, KernelFamily):
@@ -212,7 +216,9 @@ class MoeOverlap(_BlockOnGpu, KernelFamily):
         tc = {"experts_kernel": ("cuda_core", "tensor_core") if problem["format"] == "bf16" else ("tensor_core",),
               "tc13_mt": (1, 2), "tc13_wn": (1, 2, 4), "tc13_wk": (1, 2, 4), "tc13_unroll": (1, 2, 4),
               "tc2_mt": (1, 2), "tc2_wn": (1, 2, 4), "tc2_wk": (1, 2), "tc2_unroll": (1, 2),
-              "tc13_rl": (1, 2, 4), "tc2_rl": (1, 2, 4, 8), "tc_early": (0, 1)}
+              "tc13_rl": (1, 2, 4), "tc2_rl": (1, 2, 4, 8), "tc_early": (0, 1),
+              **{k: (0, 1) if problem["format"] != "bf16" else (0,) for k in ("tc13_dq", "tc2_dq")},
+              "tc13_pf": (0, 1, 2), "tc2_pf": (0, 1, 2)}
         return tc | {
             "w13_rows": (2, 4, 8),
             "w13_warps": (2, 4, 8),
@@ -229,7 +235,7 @@ class MoeOverlap(_BlockOnGpu, KernelFamily):
         }
 
     _TC_KNOBS = ("tc13_mt", "tc13_wn", "tc13_wk", "tc13_unroll", "tc2_mt", "tc2_wn", "tc2_wk", "tc2_unroll",
-                 "tc13_rl", "tc2_rl", "tc_early")
+                 "tc13_rl", "tc2_rl", "tc_early", "tc13_dq", "tc2_dq", "tc13_pf", "tc2_pf")
     _CC_KNOBS = ("w13_rows", "w13_warps", "w13_unroll", "w2_rows", "w2_warps", "w2_unroll", "w2_lanes")
 
     def canonical(self, params: dict) -> dict:
@@ -264,19 +270,33 @@ class MoeOverlap(_BlockOnGpu, KernelFamily):
         from k3tune.kernels.moe_experts_tc import TcExpertConfig
 
         nt = -(-cfg.group // 8)  # 8-token MMA tiles per work item: a hot expert's tokens read its weights once
-        return (TcExpertConfig(cfg.tc13_mt, cfg.tc13_wn, cfg.tc13_wk, nt, cfg.tc13_unroll, cfg.tc_early, cfg.tc13_rl),
-                TcExpertConfig(cfg.tc2_mt, cfg.tc2_wn, cfg.tc2_wk, nt, cfg.tc2_unroll, cfg.tc_early, cfg.tc2_rl))
+        return (TcExpertConfig(cfg.tc13_mt, cfg.tc13_wn, cfg.tc13_wk, nt, cfg.tc13_unroll, cfg.tc_early, cfg.tc13_rl,
+                               cfg.tc13_dq, cfg.tc13_pf),
+                TcExpertConfig(cfg.tc2_mt, cfg.tc2_wn, cfg.tc2_wk, nt, cfg.tc2_unroll, cfg.tc_early, cfg.tc2_rl,
+                               cfg.tc2_dq, cfg.tc2_pf))
 
     def default(self, problem: Problem) -> MoeOverlapConfig:
         from k3tune.kernels.moe_experts import default_config
 
         c13, c2, per = default_config(problem["M"])
         if problem["format"] != "bf16":  # MXFP4: the tensor-core kernels, items of up to 8 tokens; early epilogue
-            # loads and 4 w2 row tiles per item (s19-r1: TP16 b64 337 -> 311 -> 294 us, TP8 595 -> 574 -> 562)
+            # loads and 4 w2 row tiles per item (s19-r1: TP16 b64 337 -> 311 -> 294 us, TP8 595 -> 574 -> 562); w2 on
+            # repacked codes (s20-r3: experts step 4-6% faster at TP16/TP8 b1-64; w13 on them was not)
             return MoeOverlapConfig(group=min(8, max(1, problem["M"])), shared_sms=16, experts_kernel="tensor_core",
-                                    tc_early=1, tc2_rl=4)
+                                    tc_early=1, tc2_rl=4, tc2_dq=1)
         return MoeOverlapConfig(c13.rows, c13.warps, c13.unroll, c2.rows, c2.warps, c2.unroll, c2.lanes, per,
                                 shared_sms=16)
+
+    def prebuild(self, problem: Problem, cfg: MoeOverlapConfig) -> None:
+        """The tensor-core expert kernels this config runs, compiled from its knobs alone: the sweep's compile farm
+        builds them on CPU cores ahead of the GPU worker (s19: MXFP4 block sweeps spent ~0.85 s a trial, mostly
+        compiling, against ~0.27 s for bf16). The rest of the block's kernels are few and shared by every trial."""
+        if cfg.experts_kernel == "tensor_core":
+            from k3tune.kernels import moe_experts_tc
+
+            shape = block_shape(problem)
+            moe_experts_tc.prebuild(*self._tc_cfgs(cfg), str(problem["format"]), problem["latent"], problem["inter"],
+                                    shape.situ_beta, shape.situ_linear_beta)
 
     def block_knobs(self, cfg: MoeOverlapConfig) -> dict:
         from k3tune.kernels.moe_experts import ExpertKernelConfig

@@ -18,17 +18,28 @@ operands (the products are unchanged): bf16 — lane ``t`` loads 8 weights at ``
 bytes = 32 codes = one scale block (``128 j + 32 (t % 4)``) of each row; a code pair (nibble i, nibble i + 4)
 of a 32-bit word becomes a bf16x2 register with two shifts and masks (3 magnitude bits to bf16 bits 6-8,
 the sign to bit 15: the value times 2^-126, E2M1's two subnormal codes landing on bf16 subnormals), then one
-``fma.rn.bf16x2`` by 2^(scale - 1) restores the value exactly; the activations are paired to match.
+``fma.rn.bf16x2`` by 2^(scale - 1) restores the value exactly; the activations are paired to match. Blocks past
+K's whole 128-K chunks run after the loop: three as one more chunk (a lane dead), one or two as half a chunk (lane
+``t`` takes 8 bytes, half ``t % 2`` of block ``t % 4 // 2``: 4 k16 steps, no lane dead; at TP16 w2's K = 192 is one
+chunk and such a half, where a whole second chunk decoded 2 dead blocks of 4 into an issue-bound kernel).
 The epilogue's slot ids, slot weights and token count are loaded with the work item's header (``early``, the
 default), not after the MMAs: at TP16 w2's K is 192, so a CTA's whole life is one item's chain of dependent loads
 (s18-r5: w2 at 0.33 of its byte floor), and this takes one step out of it. ``rl`` row tiles per CTA and item go
 further: the CTA computes them one after the other, so the header chain (item, slot ids, token weights) is paid once
 for all of them and each further tile's loads depend only on the expert id and the activations already in L1.
+``dq`` = 1 decodes codes repacked once at load time (``pack_codes``, see ``DQ_PAIRS``): 9 integer instructions per
+32-bit word instead of 15, and the activations need no re-pairing. It pays where issue bounds the kernel: w2 at TP16
+b64 (ncu stalls mostly math-pipe throttle) ran 121 -> 103 us; w13 (mostly long-scoreboard stalls: waiting on its
+loads, 24-29% occupancy) did not speed up (s20-r2/r3, bench/results/2026-12-02-s20-*). For such a kernel ``pf`` > 0
+has each warp pull its rows' weights ``pf`` load batches ahead into L2 (``cp.async.bulk.prefetch``, one per row and
+batch, issued before the batch it overlaps): bytes in flight that hold no registers.
 Scales above 2^1 are refused by ``check_scales`` (bf16 cannot hold the 2^(s-1) multiplier; K3's weight
 scales are far below).
 
 Status: compiles on the CPU for sm_90a and sm_100a (tests/test_kernel_compile.py); GPU numerics
-(tests/test_gpu_moe_tc.py) pass on the H200 for bf16 and MXFP4 at K3's shapes (2026-11-29, session 4).
+(tests/test_gpu_moe_tc.py) pass on the H200 for bf16 and MXFP4 at K3's shapes (2026-11-29, session 4; dq 2026-12-02,
+session 20). ``pf`` compiles on the CPU; its GPU numerics and speed are not measured yet (session 20 ran out of device
+time).
 Speed against the CUDA-core kernels: bench/moe_experts.py (bench/results/2026-11-29-s4-r1-moe-experts.log).
 The block executor (runtime/moe.py) runs them when the block's ``experts_kernel`` knob says so, and always
 for MXFP4 experts.
@@ -44,6 +55,75 @@ VEC = 8  # bf16 per 16-byte vector
 FP4_BLOCK = 32  # codes per scale (and per 16-byte vector)
 MAX_SCALE_BYTE = 128  # 2^(s - 1) must be a normal bf16
 
+# The decode layout (dq = 1). A bf16x2 pair needs each code's 3 magnitude bits at bf16 bits 6-8 and its sign at
+# bit 15 of its half (mask DQ_MASK); in K3's nibble order that costs two shifts, two masks and an OR a pair, and the
+# activations must be re-paired (nibbles i and i + 4 share a register). ``pack_codes`` moves the bits of each 32-bit
+# word (8 codes, K order) so that pair j = codes (2j, 2j + 1) is the OR over DQ_PAIRS[j] of (rotl(word, r) & mask):
+# pairs 0-2 take one rotate and one mask (pair 0 no rotate), pair 3 two of each and an OR (no layout lets all four
+# pairs be one rotate: the translates of the 8 target bits do not tile a word), 9 integer instructions a word
+# instead of 15; and codes (2j, 2j + 1) meet the activations' bf16 pair j of their 16-byte vector as loaded.
+DQ_MASK = 0x81C081C0
+DQ_PAIRS = (((0, DQ_MASK),), ((4, DQ_MASK),), ((10, DQ_MASK),), ((6, 0x80C080C0), (14, 0x01000100)))
+_BIT_OF = {6: 0, 7: 1, 8: 2, 15: 3}  # bf16 bit (of a half) -> E2M1 code bit
+
+
+@dataclass(frozen=True)
+class PackedCodes:
+    """MXFP4 codes in the dq = 1 decode layout (``pack_codes``): what ``run_w13``/``run_w2`` take when ``cfg.dq``."""
+    data: object  # uint8 [..., K/2], the shape of the codes it was packed from
+
+
+@functools.cache
+def dq_positions() -> tuple:
+    """``pos[i][b]``: the bit of its 32-bit word that bit ``b`` of the word's code ``i`` (K order) moves to."""
+    pos = [[-1] * 4 for _ in range(8)]
+    for j, terms in enumerate(DQ_PAIRS):
+        for r, mask in terms:
+            for t in range(32):
+                if mask >> t & 1:
+                    pos[2 * j + t // 16][_BIT_OF[t % 16]] = (t - r) % 32
+    assert sorted(p for row in pos for p in row) == list(range(32)), "DQ_PAIRS must place every bit once"
+    return tuple(tuple(row) for row in pos)
+
+
+def pack_codes(codes, chunk_words: int = 1 << 22) -> PackedCodes:
+    """K3's MXFP4 codes (uint8 [..., K/2], even K index in the low nibble) in the dq = 1 decode layout; any
+    device, bounded memory (``chunk_words`` 32-bit words at a time). Scales are unchanged."""
+    import torch
+
+    from k3tune.errors import ConfigError
+
+    if codes.dtype != torch.uint8 or codes.shape[-1] % 4:
+        raise ConfigError(f"MXFP4 codes: expected uint8 [..., K/2] with K a multiple of 8, got {codes.dtype} "
+                          f"{tuple(codes.shape)}")
+    pos = torch.tensor(dq_positions(), dtype=torch.int64, device=codes.device)  # [8, 4]
+    bits = torch.arange(4, device=codes.device)
+    flat = codes.reshape(-1, 4)  # one 32-bit word (8 codes) a row
+    out = torch.empty_like(flat)
+    for a in range(0, flat.shape[0], chunk_words):
+        b = flat[a:a + chunk_words].to(torch.int64)
+        nib = torch.stack((b & 15, b >> 4), dim=-1).reshape(-1, 8)  # codes in K order
+        word = (((nib[:, :, None] >> bits) & 1) << pos).sum(dim=(1, 2))
+        out[a:a + chunk_words] = torch.stack([(word >> (8 * i)) & 255 for i in range(4)], dim=-1).to(torch.uint8)
+    return PackedCodes(out.reshape(codes.shape))
+
+
+def dq_decode_reference(packed):
+    """The dq = 1 decode in torch integer arithmetic, as the kernel does it: uint8 [..., K/2] packed codes ->
+    int64 [..., K] bf16 bit patterns of each value x 2^-126 (before the scale), in K order. For tests."""
+    import torch
+
+    w = packed.reshape(*packed.shape[:-1], -1, 4).to(torch.int64)
+    word = w[..., 0] | (w[..., 1] << 8) | (w[..., 2] << 16) | (w[..., 3] << 24)
+    pairs = []
+    for terms in DQ_PAIRS:
+        v = 0
+        for r, mask in terms:
+            rot = ((word << r) | (word >> (32 - r))) & 0xFFFFFFFF if r else word
+            v = v | (rot & mask)
+        pairs += [v & 0xFFFF, v >> 16]
+    return torch.stack(pairs, dim=-1).reshape(*packed.shape[:-1], -1)
+
 
 @dataclass(frozen=True)
 class TcExpertConfig:
@@ -56,6 +136,10 @@ class TcExpertConfig:
     #                 they are not a dependent step after the MMAs (0: loaded in the epilogue, sessions 4-17)
     rl: int = 1  # row tiles (of 16 x m_tiles x warps_n rows) a CTA computes for each work item, one after the
     #              other: the item's header chain (item, slot ids, token weights) is paid once for all of them
+    dq: int = 0  # MXFP4 only. 1: codes repacked by ``pack_codes`` (wrapped in ``PackedCodes``), decoded by one
+    #              rotate and one mask per bf16x2 pair, activations paired as loaded; 0: codes as K3 ships them
+    pf: int = 0  # load batches ahead whose weight bytes each warp pulls into L2 (cp.async.bulk.prefetch, one per row):
+    #              bytes in flight that cost no registers, for a kernel that waits on its loads (0: off)
 
     @property
     def tokens(self) -> int:
@@ -124,8 +208,9 @@ def _fake_args(kind: str, fmt: str, arch: str):
 
 @functools.cache
 def compiled(kind: str, knobs: tuple, fmt: str, arch: str):
-    """One compile per projection, knobs (m_tiles, warps_n, warps_k, n_tiles, unroll, beta, linear_beta, early, rl),
-    format and arch; batch, widths and expert counts are dynamic. Never call inside a capture."""
+    """One compile per projection, knobs (m_tiles, warps_n, warps_k, n_tiles, unroll, beta, linear_beta, early, rl,
+    dq, pf, tail: MXFP4 blocks past K's whole chunks), format and arch; batch, widths and expert counts are
+    dynamic (K within its tail class). Never call inside a capture."""
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream
 
@@ -138,24 +223,55 @@ def compiled(kind: str, knobs: tuple, fmt: str, arch: str):
     return cached_compile(f"moe_tc_{kind}", (knobs, fmt, arch), (__name__, "k3tune.kernels.moe_experts"), build)
 
 
+def kernel_knobs(kind: str, cfg: TcExpertConfig, fmt: str, k: int, beta: float = 0.0, linear_beta: float = 0.0):
+    """``compiled``'s knobs for one projection of reduction width ``k`` (w13 takes the SiTU betas; bf16 ignores dq;
+    MXFP4 compiles the path for the 0-3 blocks past K's whole 128-K chunks that this K has, and no other: the
+    unused paths cost registers, 102 -> 156 for w13)."""
+    betas = (float(beta), float(linear_beta)) if kind == "w13" else (0.0, 0.0)
+    fp4 = fmt == "mxfp4"
+    return (cfg.m_tiles, cfg.warps_n, cfg.warps_k, cfg.n_tiles, cfg.unroll, *betas, cfg.early, cfg.rl,
+            cfg.dq if fp4 else 0, cfg.pf, (k // FP4_BLOCK) % 4 if fp4 else 0)
+
+
+def prebuild(cfg13: TcExpertConfig, cfg2: TcExpertConfig, fmt: str, latent: int, inter: int, beta: float,
+             linear_beta: float) -> None:
+    """Compile the two kernels a block with these configs runs (w13 over K = ``latent``, w2 over K = ``inter``, the
+    rank's share), from the knobs alone (no tensors, no GPU): the sweep's compile farm calls it on CPU cores, and
+    the GPU worker then loads them from the disk cache."""
+    arch = current_arch()
+    compiled("w13", kernel_knobs("w13", cfg13, fmt, latent, beta, linear_beta), fmt, arch)
+    compiled("w2", kernel_knobs("w2", cfg2, fmt, inter), fmt, arch)
+
+
 def run_w13(cfg: TcExpertConfig, latent, w13, act, weights, groups, beta: float, linear_beta: float,
             scales=None, stream=None):
     """act[slot, :I] = situ(latent[tok] . gate rows, latent[tok] . up rows) over ``groups``' work items;
     ``w13`` bf16 [E, 2I, K], or MXFP4 codes uint8 [E, 2I, K/2] with ``scales`` uint8 [E, 2I, K/32]."""
     fmt = "bf16" if scales is None else "mxfp4"
     check(cfg, groups, latent.shape[1], fmt)
-    fn = compiled("w13", (cfg.m_tiles, cfg.warps_n, cfg.warps_k, cfg.n_tiles, cfg.unroll, float(beta),
-                          float(linear_beta), cfg.early, cfg.rl), fmt, current_arch())
-    _launch(fn, latent, w13, scales, act, weights, groups, stream)
+    fn = compiled("w13", kernel_knobs("w13", cfg, fmt, latent.shape[1], beta, linear_beta), fmt, current_arch())
+    _launch(fn, latent, _operand(cfg, w13, fmt), scales, act, weights, groups, stream)
 
 
 def run_w2(cfg: TcExpertConfig, act, w2, out, weights, groups, scales=None, stream=None):
     """out[slot, :L] = weight[slot] * act[slot] . w2 rows (fp32), over ``groups``' work items."""
     fmt = "bf16" if scales is None else "mxfp4"
     check(cfg, groups, act.shape[1], fmt)
-    fn = compiled("w2", (cfg.m_tiles, cfg.warps_n, cfg.warps_k, cfg.n_tiles, cfg.unroll, 0.0, 0.0, cfg.early, cfg.rl), fmt,
-                  current_arch())
-    _launch(fn, act, w2, scales, out, weights, groups, stream)
+    fn = compiled("w2", kernel_knobs("w2", cfg, fmt, act.shape[1]), fmt, current_arch())
+    _launch(fn, act, _operand(cfg, w2, fmt), scales, out, weights, groups, stream)
+
+
+def _operand(cfg: TcExpertConfig, w, fmt: str):
+    """The weight tensor for the kernel: MXFP4 codes must come in the layout ``cfg.dq`` decodes (refused, never
+    misread, otherwise); bf16 weights ignore dq."""
+    from k3tune.errors import ConfigError
+
+    if fmt == "bf16":
+        return w
+    if isinstance(w, PackedCodes) != bool(cfg.dq):
+        raise ConfigError(f"MXFP4 codes for dq={cfg.dq}: expected " +
+                          ("PackedCodes (tensor-core pack_codes)" if cfg.dq else "K3's codes, not PackedCodes"))
+    return w.data if cfg.dq else w
 
 
 def _launch(fn, x, w, scales, out, weights, groups, stream):
@@ -181,6 +297,7 @@ def _kernel_class():
     import cutlass.cute as cute
     from cuda.bindings import driver as cuda
     from cutlass import BFloat16, Float32, Int32, Uint8
+    from cutlass.experimental.primitives import cp_async_bulk_prefetch
 
     from k3tune.kernels.moe_experts import ITEM_SHIFT
 
@@ -189,9 +306,21 @@ def _kernel_class():
     def _shift(q, n: int):
         return q << n if n >= 0 else q >> (-n)
 
+    def _s32(v: int) -> int:  # a 32-bit mask as the signed constant Int32 takes
+        return v - (1 << 32) if v >= 1 << 31 else v
+
+    def _dq_pair(q, j: int):  # bf16x2 bits of pair j of a dq = 1 word (each value x 2^-126): DQ_PAIRS[j]
+        out = None
+        for r, mask in DQ_PAIRS[j]:
+            v = (q if r == 0 else cute.arch.shf(q, q, r, "l")) & Int32(_s32(mask))
+            out = v if out is None else out | v
+        return out
+
     class TcExpertGemm:
-        def __init__(self, which, fmt, mt, wn, wk, nt, unroll, beta=0.0, linear_beta=0.0, early=1, rl=1):
+        def __init__(self, which, fmt, mt, wn, wk, nt, unroll, beta=0.0, linear_beta=0.0, early=1, rl=1, dq=0, pf=0,
+                     tail=0):
             self.w13, self.fp4, self.early, self.rl = which == "w13", fmt == "mxfp4", bool(early), rl
+            self.dq, self.pf, self.tail = bool(dq) and self.fp4, pf, tail if self.fp4 else 0
             self.mt, self.wn, self.wk, self.nt, self.unroll = mt, wn, wk, nt, unroll
             self.mtot = 2 * mt if self.w13 else mt  # MMA row tiles a warp computes (gate + up for w13)
             self.beta, self.lin = beta, linear_beta
@@ -278,12 +407,25 @@ def _kernel_class():
                     wrows.append(r + half if cutlass.const_expr(self.w13 and i >= MT) else r)
             acc = cute.make_rmem_tensor(cute.make_layout((4, MTOT, NT)), Float32)
             acc.fill(0.0)
-            for kb in cutlass.range(wkk * U, chunks, WK * U):
+            gP = cute.zipped_divide(mW[ex, None, None], (1, 16 if cutlass.const_expr(self.fp4) else VEC))
+            if cutlass.const_expr(self.pf > 1):  # batches 1 .. pf - 1 (batch 0 is loaded at once; pf, in the loop)
+                for d in cutlass.range_constexpr(1, self.pf):
+                    self._prefetch(gP, mW, row0, half, out_rows, lane, wkk * U + d * WK * U, chunks)
+            blocks = kdim // FP4_BLOCK  # MXFP4 blocks: whole 128-K chunks in the loop, the 1-3 past them after it
+            full = blocks // 4 if cutlass.const_expr(self.fp4) else chunks
+            for kb in cutlass.range(wkk * U, full, WK * U):
+                if cutlass.const_expr(self.pf > 0):  # pf batches ahead of this one, while this one is decoded
+                    self._prefetch(gP, mW, row0, half, out_rows, lane, kb + self.pf * WK * U, chunks)
                 if cutlass.const_expr(self.fp4):
-                    self._batch_fp4(mW, mS, gX, w_atom, x_atom, mma, ex, wrows, xrows, kb, chunks, kdim, c,
-                                    acc)
+                    self._batch_fp4(mW, mS, gX, w_atom, x_atom, mma, ex, wrows, xrows, kb, full * 4, c, acc, U)
                 else:
                     self._batch_bf16(mW, gX, w_atom, x_atom, mma, ex, wrows, xrows, kb, chunks, c, acc)
+            if cutlass.const_expr(self.tail > 0):  # the blocks past the whole chunks, on the warp next in turn
+                if wkk == ((full + U - 1) // U) % WK:
+                    if cutlass.const_expr(self.tail == 3):
+                        self._batch_fp4(mW, mS, gX, w_atom, x_atom, mma, ex, wrows, xrows, full, blocks, c, acc, 1)
+                    else:
+                        self._half_fp4(mW, mS, gX, x_atom, mma, ex, wrows, xrows, full, blocks, c, acc)
             if cutlass.const_expr(WK > 1):  # K warps reduced in warp order: deterministic
                 if wkk > 0:
                     for q in cutlass.range_constexpr(nacc):
@@ -315,6 +457,23 @@ def _kernel_class():
                                     mOut[slot, row] = s * wt
             if cutlass.const_expr(WK > 1):
                 cute.arch.sync_threads()  # red is reused by the next row tile or item
+
+        @cute.jit
+        def _prefetch(self, gP, mW, row0, half, out_rows, lane, kb, chunks):
+            """L2 prefetch of this warp's rows over the U chunks from chunk ``kb`` (64 bytes a row and chunk in both
+            formats): lane l takes row l (and l + 32 ...) of the warp's 16 x MTOT rows, one bulk prefetch each."""
+            MT, MTOT, U = self.mt, self.mtot, self.unroll
+            if kb < chunks:
+                rowbytes = mW.shape[2] if cutlass.const_expr(self.fp4) else mW.shape[2] * 2
+                nbytes = cutlass.min(rowbytes - kb * 64, U * 64)  # a multiple of 16: K is one of 32 (check)
+                for q in cutlass.range_constexpr((16 * MTOT + 31) // 32):
+                    idx = lane + 32 * q
+                    if idx < 16 * MTOT:
+                        i = idx // 16
+                        r = cutlass.min(row0 + (i % MT) * 16 + idx % 16, out_rows - 1)
+                        if cutlass.const_expr(self.w13):  # up rows sit half a matrix below their gate rows
+                            r = r + cutlass.select_(i >= MT, half, 0)
+                        cp_async_bulk_prefetch(gP[(None, (r, kb * 4))].iterator, nbytes)
 
         @cute.jit
         def _batch_bf16(self, mW, gX, w_atom, x_atom, mma, ex, wrows, xrows, kb, chunks, c, acc):
@@ -351,10 +510,10 @@ def _kernel_class():
                     acc[q] = acc[q] + tmp[q] * keep
 
         @cute.jit
-        def _batch_fp4(self, mW, mS, gX, w_atom, x_atom, mma, ex, wrows, xrows, kb, chunks, kdim, c, acc):
-            MTOT, NT, U = self.mtot, self.nt, self.unroll
+        def _batch_fp4(self, mW, mS, gX, w_atom, x_atom, mma, ex, wrows, xrows, kb, blocks, c, acc, U: int):
+            """U 128-K chunks from chunk kb, lane c on block 4 (kb + u) + c; blocks at or past ``blocks`` count 0."""
+            MTOT, NT = self.mtot, self.nt
             gW = cute.zipped_divide(mW[ex, None, None], (1, 16))  # 16 bytes = 32 codes = one scale block
-            blocks = kdim // FP4_BLOCK
             rq = cute.make_rmem_tensor(cute.make_layout((16, 2 * MTOT, U)), Uint8)
             rx = cute.make_rmem_tensor(cute.make_layout((VEC, 4, NT, U)), BFloat16)
             sc = cute.make_rmem_tensor(cute.make_layout((2 * MTOT, U)), Int32)
@@ -373,27 +532,76 @@ def _kernel_class():
                     for v in cutlass.range_constexpr(4):
                         cute.copy(x_atom, gX[(None, (xrows[j], blk_c * 4 + v))], rx[None, v, j, u])
             fa32 = cute.recast_tensor(fa, Int32)  # (4, MTOT): a0a1, a2a3, a4a5, a6a7
+            q32 = cute.recast_tensor(rq, Int32)  # (4, 2 MTOT, U): the 16 bytes as 4 words
             for u in cutlass.range_constexpr(U):
-                q32 = cute.recast_tensor(rq, Int32)  # (4, 2 MTOT, U): the 16 bytes as 4 words
-                mul = []
-                for r in cutlass.range_constexpr(2 * MTOT):  # bf16x2 of 2^(s - 1) (0 for s = 0 or past K)
-                    bits = Int32(cutlass.select_(sc[r, u] > 0, (sc[r, u] + 126) << 7, 0))  # exponent s + 126
-                    mul.append(bits | (bits << 16))
-                for s in cutlass.range_constexpr(8):  # eight k16 steps: code pairs 2s and 2s + 1
-                    for i in cutlass.range_constexpr(MTOT):
-                        for h in cutlass.range_constexpr(2):  # pair 2s + h -> a0a1/a2a3 (h=0), a4a5/a6a7 (h=1)
-                            p = 2 * s + h
-                            jw, ni = p // 4, p % 4
-                            for rr in cutlass.range_constexpr(2):  # row g, row g + 8
-                                qw = q32[jw, 2 * i + rr, u]
+                self._mma_codes(mma, acc, fa, fb, fa32, q32, rx, self._scales(sc, u), u, 8)
+
+        @cute.jit
+        def _half_fp4(self, mW, mS, gX, x_atom, mma, ex, wrows, xrows, full, blocks, c, acc):
+            """The last one or two blocks of K (at TP16 w2's K = 192 they are half a 128-K chunk): lane c takes half
+            c % 2 of block 4 full + c // 2, 8 bytes a row, so the chunk costs 4 k16 steps, not 8, and no lane decodes
+            a block past K (the full-chunk path decoded 2 dead blocks of 4 there)."""
+            MTOT, NT = self.mtot, self.nt
+            gW8 = cute.zipped_divide(mW[ex, None, None], (1, 8))  # 8 bytes = 16 codes = half a scale block
+            w8_atom = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), Uint8, num_bits_per_copy=64, invariant=True)
+            rq = cute.make_rmem_tensor(cute.make_layout((8, 2 * MTOT, 1)), Uint8)
+            rx = cute.make_rmem_tensor(cute.make_layout((VEC, 2, NT, 1)), BFloat16)
+            sc = cute.make_rmem_tensor(cute.make_layout((2 * MTOT, 1)), Int32)
+            fa = cute.make_rmem_tensor(cute.make_layout((8, MTOT)), BFloat16)
+            fb = cute.make_rmem_tensor(cute.make_layout((4, NT)), BFloat16)
+            blk = full * 4 + c // 2
+            blk_c = cutlass.min(blk, blocks - 1)
+            live = Int32(cutlass.select_(blk < blocks, 1, 0))
+            hf = c % 2
+            for r in cutlass.range_constexpr(2 * MTOT):
+                cute.copy(w8_atom, gW8[(None, (wrows[r], blk_c * 2 + hf))], rq[None, r, 0])
+                sc[r, 0] = mS[ex, wrows[r], blk_c].to(Int32) * live
+            for j in cutlass.range_constexpr(NT):  # the half's two activation vectors (its words' K, as loaded)
+                for v in cutlass.range_constexpr(2):
+                    cute.copy(x_atom, gX[(None, (xrows[j], blk_c * 4 + 2 * hf + v))], rx[None, v, j, 0])
+            fa32 = cute.recast_tensor(fa, Int32)
+            q32 = cute.recast_tensor(rq, Int32)  # (2, 2 MTOT, 1)
+            self._mma_codes(mma, acc, fa, fb, fa32, q32, rx, self._scales(sc, 0), 0, 4)
+
+        @cute.jit
+        def _scales(self, sc, u):
+            """bf16x2 of 2^(s - 1) per row register (0 for s = 0 or a block past K)."""
+            mul = []
+            for r in cutlass.range_constexpr(2 * self.mtot):
+                bits = Int32(cutlass.select_(sc[r, u] > 0, (sc[r, u] + 126) << 7, 0))  # exponent s + 126
+                mul.append(bits | (bits << 16))
+            return mul
+
+        @cute.jit
+        def _mma_codes(self, mma, acc, fa, fb, fa32, q32, rx, mul, u, steps: int):
+            """``steps`` k16 steps over a lane's words (8 steps: a block's 4 words; 4: half a block's 2). Pair
+            p = 2s + h of the lane (a0a1/a2a3 for h = 0, a4a5/a6a7 for h = 1) is word p // 4's pair p % 4: in K3's
+            order nibbles p % 4 and p % 4 + 4, activations re-paired to match; in the dq = 1 layout codes 2p, 2p + 1
+            (DQ_PAIRS), whose activations are bf16 pair p % 4 of vector p // 4 as loaded."""
+            MTOT, NT = self.mtot, self.nt
+            rx32 = cute.recast_tensor(rx, Int32)  # bf16 pairs of each 16-byte activation vector
+            fb32 = cute.recast_tensor(fb, Int32)  # (2, NT): b0b1, b2b3
+            for s in cutlass.range_constexpr(steps):
+                for i in cutlass.range_constexpr(MTOT):
+                    for h in cutlass.range_constexpr(2):
+                        p = 2 * s + h
+                        jw, ni = p // 4, p % 4
+                        for rr in cutlass.range_constexpr(2):  # row g, row g + 8
+                            qw = q32[jw, 2 * i + rr, u]
+                            if cutlass.const_expr(self.dq):
+                                dec = _dq_pair(qw, ni)
+                            else:
                                 dec = (_shift(qw, 6 - 4 * ni) & MAG) | (_shift(qw, 12 - 4 * ni) & SIGN)
-                                fa32[2 * h + rr, i] = cute.arch.fma_packed_bf16x2(dec, mul[2 * i + rr], Int32(0))
-                    for j in cutlass.range_constexpr(NT):
-                        for h in cutlass.range_constexpr(2):  # the activations at the same K, paired alike
-                            p = 2 * s + h
-                            jw, ni = p // 4, p % 4
+                            fa32[2 * h + rr, i] = cute.arch.fma_packed_bf16x2(dec, mul[2 * i + rr], Int32(0))
+                for j in cutlass.range_constexpr(NT):
+                    for h in cutlass.range_constexpr(2):
+                        p = 2 * s + h
+                        jw, ni = p // 4, p % 4
+                        if cutlass.const_expr(self.dq):
+                            fb32[h, j] = rx32[ni, jw, j, u]
+                        else:
                             fb[2 * h, j] = rx[ni, jw, j, u]
                             fb[2 * h + 1, j] = rx[ni + 4, jw, j, u]
-                    cute.gemm(mma, acc, fa, fb, acc)
+                cute.gemm(mma, acc, fa, fb, acc)
 
     return TcExpertGemm

@@ -353,6 +353,9 @@ class MoEBlock:
             if w.fmt == "mxfp4":
                 moe_experts_tc.check_scales(w.w13[1])
                 moe_experts_tc.check_scales(w.w2[1])
+                # the codes in the layout each kernel decodes (dq = 1: repacked once here, as a loader would)
+                for name, codes, kcfg in (("w13_codes", w.w13[0], cfg[0]), ("w2_codes", w.w2[0], cfg[1])):
+                    blk._cache[name] = moe_experts_tc.pack_codes(codes) if kcfg.dq else codes
             blk._cache["top"] = torch.empty(tokens, k, dtype=torch.int32, device=dev)
             blk._cache["wts"] = torch.empty(tokens, k, dtype=torch.float32, device=dev)
             blk._cache["act"] = torch.empty(tokens * k, weights.shape.inter // w.tp, dtype=torch.bfloat16, device=dev)
@@ -466,9 +469,9 @@ class MoEBlock:
         self.last_top = c["top"]
         if isinstance(c["cfg13"], moe_experts_tc.TcExpertConfig):
             fp4 = w.fmt == "mxfp4"
-            moe_experts_tc.run_w13(c["cfg13"], latent, w.w13[0] if fp4 else w.w13, c["act"], c["wts"], g,
+            moe_experts_tc.run_w13(c["cfg13"], latent, c["w13_codes"] if fp4 else w.w13, c["act"], c["wts"], g,
                                    shape.situ_beta, shape.situ_linear_beta, scales=w.w13[1] if fp4 else None)
-            moe_experts_tc.run_w2(c["cfg2"], c["act"], w.w2[0] if fp4 else w.w2, c["per_slot"], c["wts"], g,
+            moe_experts_tc.run_w2(c["cfg2"], c["act"], c["w2_codes"] if fp4 else w.w2, c["per_slot"], c["wts"], g,
                                   scales=w.w2[1] if fp4 else None)
         else:
             moe_experts.run_w13(c["cfg13"], latent, w.w13, c["act"], c["wts"], g, shape.situ_beta,
