@@ -232,7 +232,7 @@ def test_the_compile_farm_builds_a_blocks_expert_kernels(cache, monkeypatch):
             ("shared_inter", 384), ("hidden", 7168), ("format", "mxfp4"), ("routing", "uniform"))
     p = Problem("moe.block", "moe_block", dims)
     fam = family("moe.overlap")
-    params = {**fam.default(p).params(), "tc2_pf": 1}
+    params = {**fam.default(p).params(), "tc13_dq": 1}
     assert farmed("moe.overlap") and not farmed("moe.stock")
     with CompileFarm(1, "sm_90a") as farm:
         assert farm.submit(p, "moe.overlap", params)

@@ -199,7 +199,7 @@ class MoeOverlapConfig(KernelConfig):
     tc_early: int = 0  # the epilogue's slot ids/weights loaded with the item header (s19-r1: MXFP4 faster, bf16 slower)
     tc13_dq: int = 0  # MXFP4 decode layout per kernel: 1 = codes repacked for a rotate-and-mask decode
     tc2_dq: int = 0  # (moe_experts_tc.pack_codes; s20: w2 4-6% faster steps, w13 no gain); bf16 ignores them
-    tc13_pf: int = 0  # load batches ahead whose weights each warp pulls into L2 (s20-r2: MXFP4 w13 waits on its loads)
+    tc13_pf: int = 0  # load batches ahead whose weights each warp pulls into L2 (bf16 only: s21-r1)
     tc2_pf: int = 0
 
 
@@ -218,7 +218,8 @@ class MoeOverlap(_BlockOnGpu, KernelFamily):
               "tc2_mt": (1, 2), "tc2_wn": (1, 2, 4), "tc2_wk": (1, 2), "tc2_unroll": (1, 2),
               "tc13_rl": (1, 2, 4), "tc2_rl": (1, 2, 4, 8), "tc_early": (0, 1),
               **{k: (0, 1) if problem["format"] != "bf16" else (0,) for k in ("tc13_dq", "tc2_dq")},
-              "tc13_pf": (0, 1, 2), "tc2_pf": (0, 1, 2)}
+              # s21-r1: pf 1 made the bf16 experts step 2-24% faster (pf 2 slower from b8 on), MXFP4's 5-13% slower
+              **{k: (0, 1) if problem["format"] == "bf16" else (0,) for k in ("tc13_pf", "tc2_pf")}}
         return tc | {
             "w13_rows": (2, 4, 8),
             "w13_warps": (2, 4, 8),
@@ -295,8 +296,7 @@ class MoeOverlap(_BlockOnGpu, KernelFamily):
             from k3tune.kernels import moe_experts_tc
 
             shape = block_shape(problem)
-            moe_experts_tc.prebuild(*self._tc_cfgs(cfg), str(problem["format"]), problem["latent"], problem["inter"],
-                                    shape.situ_beta, shape.situ_linear_beta)
+            moe_experts_tc.prebuild(*self._tc_cfgs(cfg), str(problem["format"]), shape.situ_beta, shape.situ_linear_beta)
 
     def block_knobs(self, cfg: MoeOverlapConfig) -> dict:
         from k3tune.kernels.moe_experts import ExpertKernelConfig

@@ -18,10 +18,9 @@ operands (the products are unchanged): bf16 — lane ``t`` loads 8 weights at ``
 bytes = 32 codes = one scale block (``128 j + 32 (t % 4)``) of each row; a code pair (nibble i, nibble i + 4)
 of a 32-bit word becomes a bf16x2 register with two shifts and masks (3 magnitude bits to bf16 bits 6-8,
 the sign to bit 15: the value times 2^-126, E2M1's two subnormal codes landing on bf16 subnormals), then one
-``fma.rn.bf16x2`` by 2^(scale - 1) restores the value exactly; the activations are paired to match. Blocks past
-K's whole 128-K chunks run after the loop: three as one more chunk (a lane dead), one or two as half a chunk (lane
-``t`` takes 8 bytes, half ``t % 2`` of block ``t % 4 // 2``: 4 k16 steps, no lane dead; at TP16 w2's K = 192 is one
-chunk and such a half, where a whole second chunk decoded 2 dead blocks of 4 into an issue-bound kernel).
+``fma.rn.bf16x2`` by 2^(scale - 1) restores the value exactly; the activations are paired to match. A chunk that
+runs past K's last block decodes its dead blocks with scale 0 (at TP16 w2's K = 192: 2 of the second chunk's 4;
+session 21 measured a half-chunk path for them 6-7% slower at TP16 b8-64, so it is not kept).
 The epilogue's slot ids, slot weights and token count are loaded with the work item's header (``early``, the
 default), not after the MMAs: at TP16 w2's K is 192, so a CTA's whole life is one item's chain of dependent loads
 (s18-r5: w2 at 0.33 of its byte floor), and this takes one step out of it. ``rl`` row tiles per CTA and item go
@@ -32,14 +31,15 @@ for all of them and each further tile's loads depend only on the expert id and t
 b64 (ncu stalls mostly math-pipe throttle) ran 121 -> 103 us; w13 (mostly long-scoreboard stalls: waiting on its
 loads, 24-29% occupancy) did not speed up (s20-r2/r3, bench/results/2026-12-02-s20-*). For such a kernel ``pf`` > 0
 has each warp pull its rows' weights ``pf`` load batches ahead into L2 (``cp.async.bulk.prefetch``, one per row and
-batch, issued before the batch it overlaps): bytes in flight that hold no registers.
+batch, issued before the batch it overlaps): bytes in flight that hold no registers. Measured (s21-r1, experts step):
+pf 1 makes bf16 2-24% faster (TP8 b1 129 -> 98 us), pf 2 is slower from b8 on; MXFP4 is 5-13% slower with either,
+so the block searches pf for bf16 only.
 Scales above 2^1 are refused by ``check_scales`` (bf16 cannot hold the 2^(s-1) multiplier; K3's weight
 scales are far below).
 
 Status: compiles on the CPU for sm_90a and sm_100a (tests/test_kernel_compile.py); GPU numerics
 (tests/test_gpu_moe_tc.py) pass on the H200 for bf16 and MXFP4 at K3's shapes (2026-11-29, session 4; dq 2026-12-02,
-session 20). ``pf`` compiles on the CPU; its GPU numerics and speed are not measured yet (session 20 ran out of device
-time).
+session 20; pf session 21).
 Speed against the CUDA-core kernels: bench/moe_experts.py (bench/results/2026-11-29-s4-r1-moe-experts.log).
 The block executor (runtime/moe.py) runs them when the block's ``experts_kernel`` knob says so, and always
 for MXFP4 experts.
@@ -209,8 +209,7 @@ def _fake_args(kind: str, fmt: str, arch: str):
 @functools.cache
 def compiled(kind: str, knobs: tuple, fmt: str, arch: str):
     """One compile per projection, knobs (m_tiles, warps_n, warps_k, n_tiles, unroll, beta, linear_beta, early, rl,
-    dq, pf, tail: MXFP4 blocks past K's whole chunks), format and arch; batch, widths and expert counts are
-    dynamic (K within its tail class). Never call inside a capture."""
+    dq, pf), format and arch; batch, widths and expert counts are dynamic. Never call inside a capture."""
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream
 
@@ -223,24 +222,20 @@ def compiled(kind: str, knobs: tuple, fmt: str, arch: str):
     return cached_compile(f"moe_tc_{kind}", (knobs, fmt, arch), (__name__, "k3tune.kernels.moe_experts"), build)
 
 
-def kernel_knobs(kind: str, cfg: TcExpertConfig, fmt: str, k: int, beta: float = 0.0, linear_beta: float = 0.0):
-    """``compiled``'s knobs for one projection of reduction width ``k`` (w13 takes the SiTU betas; bf16 ignores dq;
-    MXFP4 compiles the path for the 0-3 blocks past K's whole 128-K chunks that this K has, and no other: the
-    unused paths cost registers, 102 -> 156 for w13)."""
+def kernel_knobs(kind: str, cfg: TcExpertConfig, fmt: str, beta: float = 0.0, linear_beta: float = 0.0):
+    """``compiled``'s knobs for one projection (w13 takes the SiTU betas; bf16 ignores dq)."""
     betas = (float(beta), float(linear_beta)) if kind == "w13" else (0.0, 0.0)
     fp4 = fmt == "mxfp4"
     return (cfg.m_tiles, cfg.warps_n, cfg.warps_k, cfg.n_tiles, cfg.unroll, *betas, cfg.early, cfg.rl,
-            cfg.dq if fp4 else 0, cfg.pf, (k // FP4_BLOCK) % 4 if fp4 else 0)
+            cfg.dq if fp4 else 0, cfg.pf)
 
 
-def prebuild(cfg13: TcExpertConfig, cfg2: TcExpertConfig, fmt: str, latent: int, inter: int, beta: float,
-             linear_beta: float) -> None:
-    """Compile the two kernels a block with these configs runs (w13 over K = ``latent``, w2 over K = ``inter``, the
-    rank's share), from the knobs alone (no tensors, no GPU): the sweep's compile farm calls it on CPU cores, and
-    the GPU worker then loads them from the disk cache."""
+def prebuild(cfg13: TcExpertConfig, cfg2: TcExpertConfig, fmt: str, beta: float, linear_beta: float) -> None:
+    """Compile the two kernels a block with these configs runs, from the knobs alone (no tensors, no GPU): the
+    sweep's compile farm calls it on CPU cores, and the GPU worker then loads them from the disk cache."""
     arch = current_arch()
-    compiled("w13", kernel_knobs("w13", cfg13, fmt, latent, beta, linear_beta), fmt, arch)
-    compiled("w2", kernel_knobs("w2", cfg2, fmt, inter), fmt, arch)
+    compiled("w13", kernel_knobs("w13", cfg13, fmt, beta, linear_beta), fmt, arch)
+    compiled("w2", kernel_knobs("w2", cfg2, fmt), fmt, arch)
 
 
 def run_w13(cfg: TcExpertConfig, latent, w13, act, weights, groups, beta: float, linear_beta: float,
@@ -249,7 +244,7 @@ def run_w13(cfg: TcExpertConfig, latent, w13, act, weights, groups, beta: float,
     ``w13`` bf16 [E, 2I, K], or MXFP4 codes uint8 [E, 2I, K/2] with ``scales`` uint8 [E, 2I, K/32]."""
     fmt = "bf16" if scales is None else "mxfp4"
     check(cfg, groups, latent.shape[1], fmt)
-    fn = compiled("w13", kernel_knobs("w13", cfg, fmt, latent.shape[1], beta, linear_beta), fmt, current_arch())
+    fn = compiled("w13", kernel_knobs("w13", cfg, fmt, beta, linear_beta), fmt, current_arch())
     _launch(fn, latent, _operand(cfg, w13, fmt), scales, act, weights, groups, stream)
 
 
@@ -257,7 +252,7 @@ def run_w2(cfg: TcExpertConfig, act, w2, out, weights, groups, scales=None, stre
     """out[slot, :L] = weight[slot] * act[slot] . w2 rows (fp32), over ``groups``' work items."""
     fmt = "bf16" if scales is None else "mxfp4"
     check(cfg, groups, act.shape[1], fmt)
-    fn = compiled("w2", kernel_knobs("w2", cfg, fmt, act.shape[1]), fmt, current_arch())
+    fn = compiled("w2", kernel_knobs("w2", cfg, fmt), fmt, current_arch())
     _launch(fn, act, _operand(cfg, w2, fmt), scales, out, weights, groups, stream)
 
 
@@ -317,10 +312,9 @@ def _kernel_class():
         return out
 
     class TcExpertGemm:
-        def __init__(self, which, fmt, mt, wn, wk, nt, unroll, beta=0.0, linear_beta=0.0, early=1, rl=1, dq=0, pf=0,
-                     tail=0):
+        def __init__(self, which, fmt, mt, wn, wk, nt, unroll, beta=0.0, linear_beta=0.0, early=1, rl=1, dq=0, pf=0):
             self.w13, self.fp4, self.early, self.rl = which == "w13", fmt == "mxfp4", bool(early), rl
-            self.dq, self.pf, self.tail = bool(dq) and self.fp4, pf, tail if self.fp4 else 0
+            self.dq, self.pf = bool(dq) and self.fp4, pf
             self.mt, self.wn, self.wk, self.nt, self.unroll = mt, wn, wk, nt, unroll
             self.mtot = 2 * mt if self.w13 else mt  # MMA row tiles a warp computes (gate + up for w13)
             self.beta, self.lin = beta, linear_beta
@@ -411,21 +405,13 @@ def _kernel_class():
             if cutlass.const_expr(self.pf > 1):  # batches 1 .. pf - 1 (batch 0 is loaded at once; pf, in the loop)
                 for d in cutlass.range_constexpr(1, self.pf):
                     self._prefetch(gP, mW, row0, half, out_rows, lane, wkk * U + d * WK * U, chunks)
-            blocks = kdim // FP4_BLOCK  # MXFP4 blocks: whole 128-K chunks in the loop, the 1-3 past them after it
-            full = blocks // 4 if cutlass.const_expr(self.fp4) else chunks
-            for kb in cutlass.range(wkk * U, full, WK * U):
+            for kb in cutlass.range(wkk * U, chunks, WK * U):
                 if cutlass.const_expr(self.pf > 0):  # pf batches ahead of this one, while this one is decoded
                     self._prefetch(gP, mW, row0, half, out_rows, lane, kb + self.pf * WK * U, chunks)
                 if cutlass.const_expr(self.fp4):
-                    self._batch_fp4(mW, mS, gX, w_atom, x_atom, mma, ex, wrows, xrows, kb, full * 4, c, acc, U)
+                    self._batch_fp4(mW, mS, gX, w_atom, x_atom, mma, ex, wrows, xrows, kb, kdim // FP4_BLOCK, c, acc)
                 else:
                     self._batch_bf16(mW, gX, w_atom, x_atom, mma, ex, wrows, xrows, kb, chunks, c, acc)
-            if cutlass.const_expr(self.tail > 0):  # the blocks past the whole chunks, on the warp next in turn
-                if wkk == ((full + U - 1) // U) % WK:
-                    if cutlass.const_expr(self.tail == 3):
-                        self._batch_fp4(mW, mS, gX, w_atom, x_atom, mma, ex, wrows, xrows, full, blocks, c, acc, 1)
-                    else:
-                        self._half_fp4(mW, mS, gX, x_atom, mma, ex, wrows, xrows, full, blocks, c, acc)
             if cutlass.const_expr(WK > 1):  # K warps reduced in warp order: deterministic
                 if wkk > 0:
                     for q in cutlass.range_constexpr(nacc):
@@ -510,9 +496,9 @@ def _kernel_class():
                     acc[q] = acc[q] + tmp[q] * keep
 
         @cute.jit
-        def _batch_fp4(self, mW, mS, gX, w_atom, x_atom, mma, ex, wrows, xrows, kb, blocks, c, acc, U: int):
+        def _batch_fp4(self, mW, mS, gX, w_atom, x_atom, mma, ex, wrows, xrows, kb, blocks, c, acc):
             """U 128-K chunks from chunk kb, lane c on block 4 (kb + u) + c; blocks at or past ``blocks`` count 0."""
-            MTOT, NT = self.mtot, self.nt
+            MTOT, NT, U = self.mtot, self.nt, self.unroll
             gW = cute.zipped_divide(mW[ex, None, None], (1, 16))  # 16 bytes = 32 codes = one scale block
             rq = cute.make_rmem_tensor(cute.make_layout((16, 2 * MTOT, U)), Uint8)
             rx = cute.make_rmem_tensor(cute.make_layout((VEC, 4, NT, U)), BFloat16)
@@ -534,34 +520,7 @@ def _kernel_class():
             fa32 = cute.recast_tensor(fa, Int32)  # (4, MTOT): a0a1, a2a3, a4a5, a6a7
             q32 = cute.recast_tensor(rq, Int32)  # (4, 2 MTOT, U): the 16 bytes as 4 words
             for u in cutlass.range_constexpr(U):
-                self._mma_codes(mma, acc, fa, fb, fa32, q32, rx, self._scales(sc, u), u, 8)
-
-        @cute.jit
-        def _half_fp4(self, mW, mS, gX, x_atom, mma, ex, wrows, xrows, full, blocks, c, acc):
-            """The last one or two blocks of K (at TP16 w2's K = 192 they are half a 128-K chunk): lane c takes half
-            c % 2 of block 4 full + c // 2, 8 bytes a row, so the chunk costs 4 k16 steps, not 8, and no lane decodes
-            a block past K (the full-chunk path decoded 2 dead blocks of 4 there)."""
-            MTOT, NT = self.mtot, self.nt
-            gW8 = cute.zipped_divide(mW[ex, None, None], (1, 8))  # 8 bytes = 16 codes = half a scale block
-            w8_atom = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), Uint8, num_bits_per_copy=64, invariant=True)
-            rq = cute.make_rmem_tensor(cute.make_layout((8, 2 * MTOT, 1)), Uint8)
-            rx = cute.make_rmem_tensor(cute.make_layout((VEC, 2, NT, 1)), BFloat16)
-            sc = cute.make_rmem_tensor(cute.make_layout((2 * MTOT, 1)), Int32)
-            fa = cute.make_rmem_tensor(cute.make_layout((8, MTOT)), BFloat16)
-            fb = cute.make_rmem_tensor(cute.make_layout((4, NT)), BFloat16)
-            blk = full * 4 + c // 2
-            blk_c = cutlass.min(blk, blocks - 1)
-            live = Int32(cutlass.select_(blk < blocks, 1, 0))
-            hf = c % 2
-            for r in cutlass.range_constexpr(2 * MTOT):
-                cute.copy(w8_atom, gW8[(None, (wrows[r], blk_c * 2 + hf))], rq[None, r, 0])
-                sc[r, 0] = mS[ex, wrows[r], blk_c].to(Int32) * live
-            for j in cutlass.range_constexpr(NT):  # the half's two activation vectors (its words' K, as loaded)
-                for v in cutlass.range_constexpr(2):
-                    cute.copy(x_atom, gX[(None, (xrows[j], blk_c * 4 + 2 * hf + v))], rx[None, v, j, 0])
-            fa32 = cute.recast_tensor(fa, Int32)
-            q32 = cute.recast_tensor(rq, Int32)  # (2, 2 MTOT, 1)
-            self._mma_codes(mma, acc, fa, fb, fa32, q32, rx, self._scales(sc, 0), 0, 4)
+                self._mma_codes(mma, acc, fa, fb, fa32, q32, rx, self._scales(sc, u), u)
 
         @cute.jit
         def _scales(self, sc, u):
@@ -573,15 +532,15 @@ def _kernel_class():
             return mul
 
         @cute.jit
-        def _mma_codes(self, mma, acc, fa, fb, fa32, q32, rx, mul, u, steps: int):
-            """``steps`` k16 steps over a lane's words (8 steps: a block's 4 words; 4: half a block's 2). Pair
+        def _mma_codes(self, mma, acc, fa, fb, fa32, q32, rx, mul, u):
+            """One 128-K chunk's eight k16 steps over a lane's block (4 words). Pair
             p = 2s + h of the lane (a0a1/a2a3 for h = 0, a4a5/a6a7 for h = 1) is word p // 4's pair p % 4: in K3's
             order nibbles p % 4 and p % 4 + 4, activations re-paired to match; in the dq = 1 layout codes 2p, 2p + 1
             (DQ_PAIRS), whose activations are bf16 pair p % 4 of vector p // 4 as loaded."""
             MTOT, NT = self.mtot, self.nt
             rx32 = cute.recast_tensor(rx, Int32)  # bf16 pairs of each 16-byte activation vector
             fb32 = cute.recast_tensor(fb, Int32)  # (2, NT): b0b1, b2b3
-            for s in cutlass.range_constexpr(steps):
+            for s in cutlass.range_constexpr(8):
                 for i in cutlass.range_constexpr(MTOT):
                     for h in cutlass.range_constexpr(2):
                         p = 2 * s + h
