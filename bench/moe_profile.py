@@ -19,6 +19,7 @@ import random
 import torch
 
 from k3tune.kernels.moe_experts import ExpertKernelConfig
+from k3tune.plan import model as models
 from k3tune.plan import routing as routings
 from k3tune.runtime import Selector
 from k3tune.runtime.moe import BlockShape, EmulatedComm, MoEBlock, random_weights
@@ -38,12 +39,15 @@ def main() -> None:
     ap.add_argument("--served", action="store_true", help="the served block (MoEBlock.serve) instead of --paths")
     ap.add_argument("--cfgs", default="", help="expert-kernel knob sets to compare, ';'-separated, each "
                     "'rows,warps,unroll/rows,warps,unroll/per' (w13/w2/tokens per item); empty: the default")
+    ap.add_argument("--model", default="", help="the model whose winners --served looks up (default: the bf16-expert "
+                    "config for --fmt bf16, K3's config for mxfp4, as the sweep specs key them)")
     ap.add_argument("--grep", default="", help="print only kernels whose name contains one of these (',')")
     args = ap.parse_args()
     from k3tune.runtime.partition import shared_partition
 
     sh = BlockShape.from_config(configs_dir() / "kimi_k3_config.json")
-    sel = Selector.load()
+    model = args.model or ("kimi_k3_bf16_experts.json" if args.fmt == "bf16" else "kimi_k3_config.json")
+    sel = Selector.load(model=models.load(configs_dir() / model), routing=args.routing)
     # shared on n SMs, routed on the rest (--served takes the split from the winner instead)
     split = shared_partition(args.shared_sms) if args.shared_sms and not args.served else None
     layers = [random_weights(sh, args.tp, fmt=args.fmt, device="cuda", seed=i) for i in range(4)]
