@@ -33,9 +33,10 @@ loads, 24-29% occupancy) did not speed up (s20-r2/r3, bench/results/2026-12-02-s
 has each warp pull its rows' weights ``pf`` load batches ahead into L2 (``cp.async.bulk.prefetch``, one per row and
 batch, issued before the batch it overlaps): bytes in flight that hold no registers. Measured (s21-r1, experts step):
 pf 1 makes bf16 2-24% faster (TP8 b1 129 -> 98 us), pf 2 is slower from b8 on; MXFP4 is 5-13% slower with either,
-so the block searches pf for bf16 only. ``ring`` > 1 (MXFP4) brings the codes into a lane-private shared-memory ring
-by cp.async, ``ring`` - 1 load batches ahead of the one being decoded: bytes in flight that hold no registers and, unlike
-pf, no TMA requests. s21-r8: w13 with 2 stages of 2 chunks made the experts step 2-10% faster (TP16/TP8 b1-64).
+so the block searches pf for bf16 only. ``ring`` > 1 (MXFP4) brings the codes into a lane-private shared-memory
+ring by cp.async, ``ring`` - 1 load batches ahead of the one being decoded: bytes in flight that hold no registers
+and, unlike pf, no TMA requests. s21-r8: w13 with 2 stages of 2 chunks made the experts step 2-10% faster (TP16/TP8
+b1-64).
 Scales above 2^1 are refused by ``check_scales`` (bf16 cannot hold the 2^(s-1) multiplier; K3's weight
 scales are far below).
 
@@ -108,6 +109,35 @@ def pack_codes(codes, chunk_words: int = 1 << 22) -> PackedCodes:
         word = (((nib[:, :, None] >> bits) & 1) << pos).sum(dim=(1, 2))
         out[a:a + chunk_words] = torch.stack([(word >> (8 * i)) & 255 for i in range(4)], dim=-1).to(torch.uint8)
     return PackedCodes(out.reshape(codes.shape))
+
+
+def unpack_codes(packed: PackedCodes, chunk_words: int = 1 << 22):
+    """The inverse of ``pack_codes``: K3's codes (uint8 [..., K/2], even K index in the low nibble), exactly."""
+    import torch
+
+    data = packed.data
+    pos = torch.tensor(dq_positions(), dtype=torch.int64, device=data.device)  # [8, 4]
+    flat = data.reshape(-1, 4)
+    out = torch.empty_like(flat)
+    for a in range(0, flat.shape[0], chunk_words):
+        b = flat[a:a + chunk_words].to(torch.int64)
+        word = b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16) | (b[:, 3] << 24)
+        nib = ((word[:, None, None] >> pos) & 1) << torch.arange(4, device=data.device)  # [words, 8 codes, 4 bits]
+        nib = nib.sum(dim=2)  # codes in K order
+        out[a:a + chunk_words] = (nib[:, 0::2] | (nib[:, 1::2] << 4)).to(torch.uint8)
+    return out.reshape(data.shape)
+
+
+def in_layout(codes, dq: int):
+    """MXFP4 codes in the layout a kernel with this ``dq`` decodes: repacked or unpacked as needed, else as given."""
+    if bool(dq) == isinstance(codes, PackedCodes):
+        return codes
+    return pack_codes(codes) if dq else unpack_codes(codes)
+
+
+def expert_codes(codes, e: int):
+    """Expert ``e``'s codes in K3's order, whichever layout ``codes`` holds (for references and dequantisation)."""
+    return unpack_codes(PackedCodes(codes.data[e])) if isinstance(codes, PackedCodes) else codes[e]
 
 
 def dq_decode_reference(packed):
