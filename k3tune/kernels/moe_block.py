@@ -201,7 +201,7 @@ class MoeOverlapConfig(KernelConfig):
     tc2_dq: int = 0  # (moe_experts_tc.pack_codes; s20: w2 4-6% faster steps, w13 no gain); bf16 ignores them
     tc13_pf: int = 0  # load batches ahead whose weights each warp pulls into L2 (bf16 only: s21-r1)
     tc2_pf: int = 0
-    tc13_ring: int = 0  # MXFP4: stages of the shared-memory code ring (s21-r8: w13 with 2, experts step 2-10% faster)
+    tc13_ring: int = 0  # stages of the shared-memory weight ring (s21-r8, MXFP4 w13 with 2: experts step 2-10% faster)
     tc2_ring: int = 0
 
 
@@ -222,8 +222,7 @@ class MoeOverlap(_BlockOnGpu, KernelFamily):
               **{k: (0, 1) if problem["format"] != "bf16" else (0,) for k in ("tc13_dq", "tc2_dq")},
               # s21-r1: pf 1 made the bf16 experts step 2-24% faster (pf 2 slower from b8 on), MXFP4's 5-13% slower
               **{k: (0, 1) if problem["format"] == "bf16" else (0,) for k in ("tc13_pf", "tc2_pf")},
-              "tc13_ring": (0, 2, 3) if problem["format"] != "bf16" else (0,),
-              "tc2_ring": (0, 2) if problem["format"] != "bf16" else (0,)}
+              "tc13_ring": (0, 2, 3), "tc2_ring": (0, 2)}
         return tc | {
             "w13_rows": (2, 4, 8),
             "w13_warps": (2, 4, 8),

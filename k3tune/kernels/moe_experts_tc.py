@@ -33,10 +33,10 @@ loads, 24-29% occupancy) did not speed up (s20-r2/r3, bench/results/2026-12-02-s
 has each warp pull its rows' weights ``pf`` load batches ahead into L2 (``cp.async.bulk.prefetch``, one per row and
 batch, issued before the batch it overlaps): bytes in flight that hold no registers. Measured (s21-r1, experts step):
 pf 1 makes bf16 2-24% faster (TP8 b1 129 -> 98 us), pf 2 is slower from b8 on; MXFP4 is 5-13% slower with either,
-so the block searches pf for bf16 only. ``ring`` > 1 (MXFP4) brings the codes into a lane-private shared-memory
-ring by cp.async, ``ring`` - 1 load batches ahead of the one being decoded: bytes in flight that hold no registers
-and, unlike pf, no TMA requests. s21-r8: w13 with 2 stages of 2 chunks made the experts step 2-10% faster (TP16/TP8
-b1-64).
+so the block searches pf for bf16 only. ``ring`` > 1 brings the weights (codes, or bf16) into a lane-private
+shared-memory ring by cp.async, ``ring`` - 1 load batches ahead of the one being used: bytes in flight that hold no
+registers and, unlike pf, no TMA requests. s21-r8: MXFP4 w13 with 2 stages of 2 chunks made the experts step 2-10%
+faster (TP16/TP8 b1-64); bf16 through the ring is compiled and staged, not yet run on a GPU.
 Scales above 2^1 are refused by ``check_scales`` (bf16 cannot hold the 2^(s-1) multiplier; K3's weight
 scales are far below).
 
@@ -172,8 +172,8 @@ class TcExpertConfig:
     #              rotate and one mask per bf16x2 pair, activations paired as loaded; 0: codes as K3 ships them
     pf: int = 0  # load batches ahead whose weight bytes each warp pulls into L2 (cp.async.bulk.prefetch, one per row):
     #              bytes in flight that cost no registers, for a kernel that waits on its loads (0: off)
-    ring: int = 0  # MXFP4 only. Stages of a lane-private shared-memory ring the codes arrive in by cp.async, so
-    #                ring - 1 load batches are in flight while one is decoded, holding no registers (0: codes loaded
+    ring: int = 0  # stages of a lane-private shared-memory ring the weights (codes or bf16) arrive in by cp.async,
+    #                so ring - 1 load batches are in flight while one is used, holding no registers (0: loaded
     #                straight into registers)
 
     @property
@@ -198,7 +198,7 @@ def reduction_bytes(cfg: TcExpertConfig, w13: bool) -> int:
 
 
 def ring_bytes(cfg: TcExpertConfig, w13: bool) -> int:
-    """The code ring: per stage, each lane's 16 bytes of every row register (2 per MMA row tile) of each chunk."""
+    """The weight ring: per stage, each lane's 16 bytes of every row register (2 per MMA row tile) of each chunk."""
     mtot = 2 * cfg.m_tiles if w13 else cfg.m_tiles
     return cfg.ring * cfg.warps_n * cfg.warps_k * 32 * 2 * mtot * cfg.unroll * 16
 
@@ -210,8 +210,8 @@ def check(cfg: TcExpertConfig, groups, k: int, fmt: str, w13: bool = True) -> No
         raise ConfigError(f"tensor-core expert kernel: format {fmt!r}, expected bf16 or mxfp4")
     if groups.per > cfg.tokens:
         raise ConfigError(f"work items of {groups.per} tokens do not fit {cfg.n_tiles} MMA tile(s) of 8 tokens")
-    if cfg.ring and (fmt != "mxfp4" or cfg.ring < 2 or reduction_bytes(cfg, w13) > SMEM_BUDGET):
-        raise ConfigError(f"code ring of {cfg.ring} stages: MXFP4 only, at least 2 stages, within "
+    if cfg.ring and (cfg.ring < 2 or reduction_bytes(cfg, w13) > SMEM_BUDGET):
+        raise ConfigError(f"weight ring of {cfg.ring} stages: at least 2 stages, within "
                           f"{SMEM_BUDGET // 1024} KB of shared memory with the reduction buffer")
     if k % (VEC * 4 if fmt == "bf16" else FP4_BLOCK):
         raise ConfigError(f"tensor-core expert kernel ({fmt}): K {k} is not a multiple of "
@@ -272,7 +272,7 @@ def kernel_knobs(kind: str, cfg: TcExpertConfig, fmt: str, beta: float = 0.0, li
     betas = (float(beta), float(linear_beta)) if kind == "w13" else (0.0, 0.0)
     fp4 = fmt == "mxfp4"
     return (cfg.m_tiles, cfg.warps_n, cfg.warps_k, cfg.n_tiles, cfg.unroll, *betas, cfg.early, cfg.rl,
-            cfg.dq if fp4 else 0, cfg.pf, cfg.ring if fp4 else 0)
+            cfg.dq if fp4 else 0, cfg.pf, cfg.ring)
 
 
 def prebuild(cfg13: TcExpertConfig, cfg2: TcExpertConfig, fmt: str, beta: float, linear_beta: float) -> None:
@@ -360,7 +360,8 @@ def _kernel_class():
         def __init__(self, which, fmt, mt, wn, wk, nt, unroll, beta=0.0, linear_beta=0.0, early=1, rl=1, dq=0, pf=0,
                      ring=0):
             self.w13, self.fp4, self.early, self.rl = which == "w13", fmt == "mxfp4", bool(early), rl
-            self.dq, self.pf, self.ring = bool(dq) and self.fp4, pf, ring if self.fp4 else 0
+            self.dq, self.pf, self.ring = bool(dq) and self.fp4, pf, ring
+            self.ev = 16 if self.fp4 else VEC  # weight elements in a lane's 16-byte vector
             self.mt, self.wn, self.wk, self.nt, self.unroll = mt, wn, wk, nt, unroll
             self.mtot = 2 * mt if self.w13 else mt  # MMA row tiles a warp computes (gate + up for w13)
             self.beta, self.lin = beta, linear_beta
@@ -409,7 +410,7 @@ def _kernel_class():
             ring = None  # [warp][stage][chunk u][row register r][lane][16 bytes]: a warp's LDS.128 reads 512 B in a row
             if cutlass.const_expr(self.ring > 0):
                 ring = smem.allocate_tensor(
-                    Uint8, cute.make_layout(self.ring * WN * WK * 32 * 2 * MTOT * self.unroll * 16), 128)
+                    w_dtype, cute.make_layout(self.ring * WN * WK * 32 * 2 * MTOT * self.unroll * self.ev), 128)
 
             for it in cutlass.range(bidx, mCnt[n_experts], gdx):
                 code = mItems[it]
@@ -451,7 +452,7 @@ def _kernel_class():
                     wrows.append(r + half if cutlass.const_expr(self.w13 and i >= MT) else r)
             acc = cute.make_rmem_tensor(cute.make_layout((4, MTOT, NT)), Float32)
             acc.fill(0.0)
-            if cutlass.const_expr(self.ring > 0):  # MXFP4 codes through the shared-memory ring
+            if cutlass.const_expr(self.ring > 0):  # the weights through the shared-memory ring
                 self._ring_loop(mW, mS, gX, x_atom, mma, ring, ex, wrows, xrows, wrow, wkk, lane, c, chunks,
                                 kdim // FP4_BLOCK, acc)
             else:
@@ -517,7 +518,10 @@ def _kernel_class():
                         cp_async_bulk_prefetch(gP[(None, (r, kb * 4))].iterator, nbytes)
 
         @cute.jit
-        def _batch_bf16(self, mW, gX, w_atom, x_atom, mma, ex, wrows, xrows, kb, chunks, c, acc):
+        def _batch_bf16(self, mW, gX, w_atom, x_atom, mma, ex, wrows, xrows, kb, chunks, c, acc, ring=None,
+                        slot_off=0):
+            """U 32-K chunks from chunk kb, lane c on 8 weights a row; with ``ring``, the weights are read from the
+            ring at element ``slot_off`` (where cp.async put them) instead."""
             MTOT, NT, U = self.mtot, self.nt, self.unroll
             gW = cute.zipped_divide(mW[ex, None, None], (1, VEC))
             rw = cute.make_rmem_tensor(cute.make_layout((VEC, 2 * MTOT, U)), BFloat16)
@@ -528,7 +532,11 @@ def _kernel_class():
             for u in cutlass.range_constexpr(U):  # every load of the batch before the first MMA
                 kv = cutlass.min(kb + u, chunks - 1) * 4 + c
                 for r in cutlass.range_constexpr(2 * MTOT):
-                    cute.copy(w_atom, gW[(None, (wrows[r], kv))], rw[None, r, u])
+                    if cutlass.const_expr(ring is None):
+                        cute.copy(w_atom, gW[(None, (wrows[r], kv))], rw[None, r, u])
+                    else:
+                        cute.copy(w_atom, self._vec(ring.iterator + (slot_off + (u * 2 * MTOT + r) * 32 * VEC)),
+                                  rw[None, r, u])
             for u in cutlass.range_constexpr(U):
                 kv = cutlass.min(kb + u, chunks - 1) * 4 + c
                 for j in cutlass.range_constexpr(NT):
@@ -570,7 +578,7 @@ def _kernel_class():
                     if cutlass.const_expr(ring is None):
                         cute.copy(w_atom, gW[(None, (wrows[r], blk_c))], rq[None, r, u])
                     else:
-                        cute.copy(w_atom, self._vec16(ring.iterator + (slot_off + (u * 2 * MTOT + r) * 512)),
+                        cute.copy(w_atom, self._vec(ring.iterator + (slot_off + (u * 2 * MTOT + r) * 32 * 16)),
                                   rq[None, r, u])
                     sc[r, u] = mS[ex, wrows[r], blk_c].to(Int32) * live
             for u in cutlass.range_constexpr(U):
@@ -585,44 +593,54 @@ def _kernel_class():
 
         @cute.jit
         def _ring_loop(self, mW, mS, gX, x_atom, mma, ring, ex, wrows, xrows, wrow, wkk, lane, c, chunks, blocks, acc):
-            """The MXFP4 K loop through the code ring: this warp's batches b = 0, 1, ... (chunks wkk U + b WK U ...);
-            batch b + ring - 1 is issued (cp.async, 16 bytes a row register and chunk) before batch b is decoded. Each
-            lane reads back only what it copied, so its own cp.async.wait_group orders them; no barrier."""
-            S, U, WK, R = self.ring, self.unroll, self.wk, 2 * self.mtot
+            """The K loop through the weight ring: this warp's batches b = 0, 1, ... (chunks wkk U + b WK U ...);
+            batch b + ring - 1 is issued (cp.async, 16 bytes a row register and chunk) before batch b is used. Each
+            lane reads back only what it copied, so its own cp.async.wait_group orders them; no barrier. Offsets
+            count weight elements (``ev`` a 16-byte vector)."""
+            S, U, WK, R, E = self.ring, self.unroll, self.wk, 2 * self.mtot, self.ev
+            w_dtype = Uint8 if cutlass.const_expr(self.fp4) else BFloat16
             g2s = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.cpasync.LoadCacheMode.GLOBAL),
-                                      Uint8, num_bits_per_copy=128)
-            s2r = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Uint8, num_bits_per_copy=128)
-            gW = cute.zipped_divide(mW[ex, None, None], (1, 16))
-            stage = U * R * 512  # bytes of one stage of one warp
-            base = (wkk * self.wn + wrow) * S * stage + lane * 16
+                                      w_dtype, num_bits_per_copy=128)
+            s2r = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), w_dtype, num_bits_per_copy=128)
+            gW = cute.zipped_divide(mW[ex, None, None], (1, E))
+            stage = U * R * 32 * E  # elements of one stage of one warp
+            base = (wkk * self.wn + wrow) * S * stage + lane * E
             nb = cutlass.max(chunks - wkk * U + WK * U - 1, 0) // (WK * U)
             for s in cutlass.range_constexpr(S - 1):
                 if s < nb:
-                    self._ring_issue(g2s, gW, ring, wrows, wkk * U + s * WK * U, blocks, c, base + s * stage)
+                    self._ring_issue(g2s, gW, ring, wrows, wkk * U + s * WK * U, chunks, blocks, c, base + s * stage)
                 cute.arch.cp_async_commit_group()
             for b in cutlass.range(nb):
-                cute.arch.cp_async_wait_group(S - 2)  # batch b's codes have landed (this lane's)
+                cute.arch.cp_async_wait_group(S - 2)  # batch b's weights have landed (this lane's)
                 if b + S - 1 < nb:  # into the slot batch b - 1 left: this lane read it back before its MMAs
-                    self._ring_issue(g2s, gW, ring, wrows, wkk * U + (b + S - 1) * WK * U, blocks, c,
+                    self._ring_issue(g2s, gW, ring, wrows, wkk * U + (b + S - 1) * WK * U, chunks, blocks, c,
                                      base + ((b + S - 1) % S) * stage)
                 cute.arch.cp_async_commit_group()
-                self._batch_fp4(mW, mS, gX, s2r, x_atom, mma, ex, wrows, xrows, wkk * U + b * WK * U, blocks, c, acc,
-                                ring, base + (b % S) * stage)
+                kb = wkk * U + b * WK * U
+                if cutlass.const_expr(self.fp4):
+                    self._batch_fp4(mW, mS, gX, s2r, x_atom, mma, ex, wrows, xrows, kb, blocks, c, acc, ring,
+                                    base + (b % S) * stage)
+                else:
+                    self._batch_bf16(mW, gX, s2r, x_atom, mma, ex, wrows, xrows, kb, chunks, c, acc, ring,
+                                     base + (b % S) * stage)
             cute.arch.cp_async_wait_group(0)
 
         @cute.jit
-        def _ring_issue(self, g2s, gW, ring, wrows, kb, blocks, c, off):
-            """cp.async of one batch's codes (U chunks from chunk kb) into the ring at byte ``off``."""
+        def _ring_issue(self, g2s, gW, ring, wrows, kb, chunks, blocks, c, off):
+            """cp.async of one batch's weights (U chunks from chunk kb) into the ring at element ``off``."""
             R = 2 * self.mtot
             for u in cutlass.range_constexpr(self.unroll):
-                blk_c = cutlass.min((kb + u) * 4 + c, blocks - 1)
+                if cutlass.const_expr(self.fp4):  # lane c's block of the chunk (clamped past K; its scale is 0)
+                    v = cutlass.min((kb + u) * 4 + c, blocks - 1)
+                else:  # lane c's 8 weights of the chunk (clamped past K; the chunk's products are dropped)
+                    v = cutlass.min(kb + u, chunks - 1) * 4 + c
                 for r in cutlass.range_constexpr(R):
-                    cute.copy(g2s, self._vec16(gW[(None, (wrows[r], blk_c))].iterator),
-                              self._vec16(ring.iterator + (off + (u * R + r) * 512)))
+                    cute.copy(g2s, self._vec(gW[(None, (wrows[r], v))].iterator),
+                              self._vec(ring.iterator + (off + (u * R + r) * 32 * self.ev)))
 
         @cute.jit
-        def _vec16(self, ptr):
-            return cute.make_tensor(ptr.align(16), cute.make_layout(16))
+        def _vec(self, ptr):
+            return cute.make_tensor(ptr.align(16), cute.make_layout(self.ev))
 
         @cute.jit
         def _scales(self, sc, u):
