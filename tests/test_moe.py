@@ -44,6 +44,10 @@ def test_mxfp4_decode_layout_gives_every_value_exactly():
     got = torch.where(bits >= 1 << 15, bits - (1 << 16), bits).to(torch.int16).view(torch.bfloat16).float()
     ones = torch.full((3, 7, 4), 127, dtype=torch.uint8)  # scale 2^0
     assert torch.equal(got * 2.0 ** 126, mxfp4.dequantize(codes, ones, torch.float32))
+    assert torch.equal(tc.unpack_codes(packed, chunk_words=3), codes)  # and back, exactly
+    assert tc.in_layout(packed, 1) is packed and tc.in_layout(codes, 0) is codes  # no copy where none is needed
+    assert torch.equal(tc.in_layout(packed, 0), codes) and torch.equal(tc.in_layout(codes, 1).data, packed.data)
+    assert torch.equal(tc.expert_codes(packed, 2), codes[2]) and torch.equal(tc.expert_codes(codes, 1), codes[1])
 
 
 def test_mxfp4_codes_in_the_other_layout_are_refused():

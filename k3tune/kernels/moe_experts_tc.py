@@ -33,7 +33,10 @@ loads, 24-29% occupancy) did not speed up (s20-r2/r3, bench/results/2026-12-02-s
 has each warp pull its rows' weights ``pf`` load batches ahead into L2 (``cp.async.bulk.prefetch``, one per row and
 batch, issued before the batch it overlaps): bytes in flight that hold no registers. Measured (s21-r1, experts step):
 pf 1 makes bf16 2-24% faster (TP8 b1 129 -> 98 us), pf 2 is slower from b8 on; MXFP4 is 5-13% slower with either,
-so the block searches pf for bf16 only.
+so the block searches pf for bf16 only. ``ring`` > 1 brings the weights (codes, or bf16) into a lane-private
+shared-memory ring by cp.async, ``ring`` - 1 load batches ahead of the one being used: bytes in flight that hold no
+registers and, unlike pf, no TMA requests. s21-r8: MXFP4 w13 with 2 stages of 2 chunks made the experts step 2-10%
+faster (TP16/TP8 b1-64); bf16 through the ring is compiled and staged, not yet run on a GPU.
 Scales above 2^1 are refused by ``check_scales`` (bf16 cannot hold the 2^(s-1) multiplier; K3's weight
 scales are far below).
 
@@ -108,6 +111,35 @@ def pack_codes(codes, chunk_words: int = 1 << 22) -> PackedCodes:
     return PackedCodes(out.reshape(codes.shape))
 
 
+def unpack_codes(packed: PackedCodes, chunk_words: int = 1 << 22):
+    """The inverse of ``pack_codes``: K3's codes (uint8 [..., K/2], even K index in the low nibble), exactly."""
+    import torch
+
+    data = packed.data
+    pos = torch.tensor(dq_positions(), dtype=torch.int64, device=data.device)  # [8, 4]
+    flat = data.reshape(-1, 4)
+    out = torch.empty_like(flat)
+    for a in range(0, flat.shape[0], chunk_words):
+        b = flat[a:a + chunk_words].to(torch.int64)
+        word = b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16) | (b[:, 3] << 24)
+        nib = ((word[:, None, None] >> pos) & 1) << torch.arange(4, device=data.device)  # [words, 8 codes, 4 bits]
+        nib = nib.sum(dim=2)  # codes in K order
+        out[a:a + chunk_words] = (nib[:, 0::2] | (nib[:, 1::2] << 4)).to(torch.uint8)
+    return out.reshape(data.shape)
+
+
+def in_layout(codes, dq: int):
+    """MXFP4 codes in the layout a kernel with this ``dq`` decodes: repacked or unpacked as needed, else as given."""
+    if bool(dq) == isinstance(codes, PackedCodes):
+        return codes
+    return pack_codes(codes) if dq else unpack_codes(codes)
+
+
+def expert_codes(codes, e: int):
+    """Expert ``e``'s codes in K3's order, whichever layout ``codes`` holds (for references and dequantisation)."""
+    return unpack_codes(PackedCodes(codes.data[e])) if isinstance(codes, PackedCodes) else codes[e]
+
+
 def dq_decode_reference(packed):
     """The dq = 1 decode in torch integer arithmetic, as the kernel does it: uint8 [..., K/2] packed codes ->
     int64 [..., K] bf16 bit patterns of each value x 2^-126 (before the scale), in K order. For tests."""
@@ -140,6 +172,9 @@ class TcExpertConfig:
     #              rotate and one mask per bf16x2 pair, activations paired as loaded; 0: codes as K3 ships them
     pf: int = 0  # load batches ahead whose weight bytes each warp pulls into L2 (cp.async.bulk.prefetch, one per row):
     #              bytes in flight that cost no registers, for a kernel that waits on its loads (0: off)
+    ring: int = 0  # stages of a lane-private shared-memory ring the weights (codes or bf16) arrive in by cp.async,
+    #                so ring - 1 load batches are in flight while one is used, holding no registers (0: loaded
+    #                straight into registers)
 
     @property
     def tokens(self) -> int:
@@ -156,18 +191,28 @@ SMEM_BUDGET = 48 * 1024  # shared memory a CTA may use without the opt-in for mo
 
 
 def reduction_bytes(cfg: TcExpertConfig, w13: bool) -> int:
-    """Shared memory of the K-warp reduction buffer (fp32 accumulators of warps_k - 1 warps per row warp)."""
+    """Shared memory of the K-warp reduction buffer (fp32 accumulators of warps_k - 1 warps per row warp), and of
+    the code ring where there is one."""
     mtot = 2 * cfg.m_tiles if w13 else cfg.m_tiles
-    return 4 * (4 * mtot * cfg.n_tiles) * 32 * cfg.warps_n * max(cfg.warps_k - 1, 1)
+    return 4 * (4 * mtot * cfg.n_tiles) * 32 * cfg.warps_n * max(cfg.warps_k - 1, 1) + ring_bytes(cfg, w13)
 
 
-def check(cfg: TcExpertConfig, groups, k: int, fmt: str) -> None:
+def ring_bytes(cfg: TcExpertConfig, w13: bool) -> int:
+    """The weight ring: per stage, each lane's 16 bytes of every row register (2 per MMA row tile) of each chunk."""
+    mtot = 2 * cfg.m_tiles if w13 else cfg.m_tiles
+    return cfg.ring * cfg.warps_n * cfg.warps_k * 32 * 2 * mtot * cfg.unroll * 16
+
+
+def check(cfg: TcExpertConfig, groups, k: int, fmt: str, w13: bool = True) -> None:
     from k3tune.errors import ConfigError
 
     if fmt not in ("bf16", "mxfp4"):
         raise ConfigError(f"tensor-core expert kernel: format {fmt!r}, expected bf16 or mxfp4")
     if groups.per > cfg.tokens:
         raise ConfigError(f"work items of {groups.per} tokens do not fit {cfg.n_tiles} MMA tile(s) of 8 tokens")
+    if cfg.ring and (cfg.ring < 2 or reduction_bytes(cfg, w13) > SMEM_BUDGET):
+        raise ConfigError(f"weight ring of {cfg.ring} stages: at least 2 stages, within "
+                          f"{SMEM_BUDGET // 1024} KB of shared memory with the reduction buffer")
     if k % (VEC * 4 if fmt == "bf16" else FP4_BLOCK):
         raise ConfigError(f"tensor-core expert kernel ({fmt}): K {k} is not a multiple of "
                           f"{VEC * 4 if fmt == 'bf16' else FP4_BLOCK}")
@@ -209,7 +254,7 @@ def _fake_args(kind: str, fmt: str, arch: str):
 @functools.cache
 def compiled(kind: str, knobs: tuple, fmt: str, arch: str):
     """One compile per projection, knobs (m_tiles, warps_n, warps_k, n_tiles, unroll, beta, linear_beta, early, rl,
-    dq, pf), format and arch; batch, widths and expert counts are dynamic. Never call inside a capture."""
+    dq, pf, ring), format and arch; batch, widths and expert counts are dynamic. Never call inside a capture."""
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream
 
@@ -227,7 +272,7 @@ def kernel_knobs(kind: str, cfg: TcExpertConfig, fmt: str, beta: float = 0.0, li
     betas = (float(beta), float(linear_beta)) if kind == "w13" else (0.0, 0.0)
     fp4 = fmt == "mxfp4"
     return (cfg.m_tiles, cfg.warps_n, cfg.warps_k, cfg.n_tiles, cfg.unroll, *betas, cfg.early, cfg.rl,
-            cfg.dq if fp4 else 0, cfg.pf)
+            cfg.dq if fp4 else 0, cfg.pf, cfg.ring)
 
 
 def prebuild(cfg13: TcExpertConfig, cfg2: TcExpertConfig, fmt: str, beta: float, linear_beta: float) -> None:
@@ -251,7 +296,7 @@ def run_w13(cfg: TcExpertConfig, latent, w13, act, weights, groups, beta: float,
 def run_w2(cfg: TcExpertConfig, act, w2, out, weights, groups, scales=None, stream=None):
     """out[slot, :L] = weight[slot] * act[slot] . w2 rows (fp32), over ``groups``' work items."""
     fmt = "bf16" if scales is None else "mxfp4"
-    check(cfg, groups, act.shape[1], fmt)
+    check(cfg, groups, act.shape[1], fmt, w13=False)
     fn = compiled("w2", kernel_knobs("w2", cfg, fmt), fmt, current_arch())
     _launch(fn, act, _operand(cfg, w2, fmt), scales, out, weights, groups, stream)
 
@@ -312,9 +357,11 @@ def _kernel_class():
         return out
 
     class TcExpertGemm:
-        def __init__(self, which, fmt, mt, wn, wk, nt, unroll, beta=0.0, linear_beta=0.0, early=1, rl=1, dq=0, pf=0):
+        def __init__(self, which, fmt, mt, wn, wk, nt, unroll, beta=0.0, linear_beta=0.0, early=1, rl=1, dq=0, pf=0,
+                     ring=0):
             self.w13, self.fp4, self.early, self.rl = which == "w13", fmt == "mxfp4", bool(early), rl
-            self.dq, self.pf = bool(dq) and self.fp4, pf
+            self.dq, self.pf, self.ring = bool(dq) and self.fp4, pf, ring
+            self.ev = 16 if self.fp4 else VEC  # weight elements in a lane's 16-byte vector
             self.mt, self.wn, self.wk, self.nt, self.unroll = mt, wn, wk, nt, unroll
             self.mtot = 2 * mt if self.w13 else mt  # MMA row tiles a warp computes (gate + up for w13)
             self.beta, self.lin = beta, linear_beta
@@ -360,6 +407,10 @@ def _kernel_class():
             nacc = 4 * MTOT * NT
             smem = cutlass.utils.SmemAllocator()
             red = smem.allocate_tensor(Float32, cute.make_layout((nacc, 32, WN, max(WK - 1, 1))), 16)
+            ring = None  # [warp][stage][chunk u][row register r][lane][16 bytes]: a warp's LDS.128 reads 512 B in a row
+            if cutlass.const_expr(self.ring > 0):
+                ring = smem.allocate_tensor(
+                    w_dtype, cute.make_layout(self.ring * WN * WK * 32 * 2 * MTOT * self.unroll * self.ev), 128)
 
             for it in cutlass.range(bidx, mCnt[n_experts], gdx):
                 code = mItems[it]
@@ -380,16 +431,16 @@ def _kernel_class():
                                 ewts.append(mWt[es // k, es % k])
                 if cutlass.const_expr(self.rl == 1):
                     self._row_tile(mX, mW, mS, mOut, mWt, mSlots, gX, x_atom, w_atom, mma, red, ex, t0, ntok, xrows,
-                                   eslots, ewts, bidy, wrow, wkk, lane, g, c, k, chunks, kdim, half, out_rows)
+                                   eslots, ewts, bidy, wrow, wkk, lane, g, c, k, chunks, kdim, half, out_rows, ring)
                 else:  # rl row tiles for this item, its header loaded once
                     for rt in cutlass.range(bidy * self.rl, cutlass.min(bidy * self.rl + self.rl, ntiles)):
                         self._row_tile(mX, mW, mS, mOut, mWt, mSlots, gX, x_atom, w_atom, mma, red, ex, t0, ntok,
                                        xrows, eslots, ewts, rt, wrow, wkk, lane, g, c, k, chunks, kdim, half,
-                                       out_rows)
+                                       out_rows, ring)
 
         @cute.jit
         def _row_tile(self, mX, mW, mS, mOut, mWt, mSlots, gX, x_atom, w_atom, mma, red, ex, t0, ntok, xrows, eslots,
-                      ewts, rt, wrow, wkk, lane, g, c, k, chunks, kdim, half, out_rows):
+                      ewts, rt, wrow, wkk, lane, g, c, k, chunks, kdim, half, out_rows, ring):
             """Row tile ``rt`` (cta_rows rows) of one work item: the K loop, the K-warp reduction, the epilogue."""
             MT, MTOT, NT, WK, U = self.mt, self.mtot, self.nt, self.wk, self.unroll
             nacc = 4 * MTOT * NT
@@ -401,17 +452,22 @@ def _kernel_class():
                     wrows.append(r + half if cutlass.const_expr(self.w13 and i >= MT) else r)
             acc = cute.make_rmem_tensor(cute.make_layout((4, MTOT, NT)), Float32)
             acc.fill(0.0)
-            gP = cute.zipped_divide(mW[ex, None, None], (1, 16 if cutlass.const_expr(self.fp4) else VEC))
-            if cutlass.const_expr(self.pf > 1):  # batches 1 .. pf - 1 (batch 0 is loaded at once; pf, in the loop)
-                for d in cutlass.range_constexpr(1, self.pf):
-                    self._prefetch(gP, mW, row0, half, out_rows, lane, wkk * U + d * WK * U, chunks)
-            for kb in cutlass.range(wkk * U, chunks, WK * U):
-                if cutlass.const_expr(self.pf > 0):  # pf batches ahead of this one, while this one is decoded
-                    self._prefetch(gP, mW, row0, half, out_rows, lane, kb + self.pf * WK * U, chunks)
-                if cutlass.const_expr(self.fp4):
-                    self._batch_fp4(mW, mS, gX, w_atom, x_atom, mma, ex, wrows, xrows, kb, kdim // FP4_BLOCK, c, acc)
-                else:
-                    self._batch_bf16(mW, gX, w_atom, x_atom, mma, ex, wrows, xrows, kb, chunks, c, acc)
+            if cutlass.const_expr(self.ring > 0):  # the weights through the shared-memory ring
+                self._ring_loop(mW, mS, gX, x_atom, mma, ring, ex, wrows, xrows, wrow, wkk, lane, c, chunks,
+                                kdim // FP4_BLOCK, acc)
+            else:
+                gP = cute.zipped_divide(mW[ex, None, None], (1, 16 if cutlass.const_expr(self.fp4) else VEC))
+                if cutlass.const_expr(self.pf > 1):  # batches 1 .. pf - 1 (batch 0 is loaded at once; pf, in the loop)
+                    for d in cutlass.range_constexpr(1, self.pf):
+                        self._prefetch(gP, mW, row0, half, out_rows, lane, wkk * U + d * WK * U, chunks)
+                for kb in cutlass.range(wkk * U, chunks, WK * U):
+                    if cutlass.const_expr(self.pf > 0):  # pf batches ahead of this one, while this one is decoded
+                        self._prefetch(gP, mW, row0, half, out_rows, lane, kb + self.pf * WK * U, chunks)
+                    if cutlass.const_expr(self.fp4):
+                        self._batch_fp4(mW, mS, gX, w_atom, x_atom, mma, ex, wrows, xrows, kb, kdim // FP4_BLOCK, c,
+                                        acc)
+                    else:
+                        self._batch_bf16(mW, gX, w_atom, x_atom, mma, ex, wrows, xrows, kb, chunks, c, acc)
             if cutlass.const_expr(WK > 1):  # K warps reduced in warp order: deterministic
                 if wkk > 0:
                     for q in cutlass.range_constexpr(nacc):
@@ -462,7 +518,10 @@ def _kernel_class():
                         cp_async_bulk_prefetch(gP[(None, (r, kb * 4))].iterator, nbytes)
 
         @cute.jit
-        def _batch_bf16(self, mW, gX, w_atom, x_atom, mma, ex, wrows, xrows, kb, chunks, c, acc):
+        def _batch_bf16(self, mW, gX, w_atom, x_atom, mma, ex, wrows, xrows, kb, chunks, c, acc, ring=None,
+                        slot_off=0):
+            """U 32-K chunks from chunk kb, lane c on 8 weights a row; with ``ring``, the weights are read from the
+            ring at element ``slot_off`` (where cp.async put them) instead."""
             MTOT, NT, U = self.mtot, self.nt, self.unroll
             gW = cute.zipped_divide(mW[ex, None, None], (1, VEC))
             rw = cute.make_rmem_tensor(cute.make_layout((VEC, 2 * MTOT, U)), BFloat16)
@@ -473,7 +532,11 @@ def _kernel_class():
             for u in cutlass.range_constexpr(U):  # every load of the batch before the first MMA
                 kv = cutlass.min(kb + u, chunks - 1) * 4 + c
                 for r in cutlass.range_constexpr(2 * MTOT):
-                    cute.copy(w_atom, gW[(None, (wrows[r], kv))], rw[None, r, u])
+                    if cutlass.const_expr(ring is None):
+                        cute.copy(w_atom, gW[(None, (wrows[r], kv))], rw[None, r, u])
+                    else:
+                        cute.copy(w_atom, self._vec(ring.iterator + (slot_off + (u * 2 * MTOT + r) * 32 * VEC)),
+                                  rw[None, r, u])
             for u in cutlass.range_constexpr(U):
                 kv = cutlass.min(kb + u, chunks - 1) * 4 + c
                 for j in cutlass.range_constexpr(NT):
@@ -496,8 +559,10 @@ def _kernel_class():
                     acc[q] = acc[q] + tmp[q] * keep
 
         @cute.jit
-        def _batch_fp4(self, mW, mS, gX, w_atom, x_atom, mma, ex, wrows, xrows, kb, blocks, c, acc):
-            """U 128-K chunks from chunk kb, lane c on block 4 (kb + u) + c; blocks at or past ``blocks`` count 0."""
+        def _batch_fp4(self, mW, mS, gX, w_atom, x_atom, mma, ex, wrows, xrows, kb, blocks, c, acc, ring=None,
+                       slot_off=0):
+            """U 128-K chunks from chunk kb, lane c on block 4 (kb + u) + c; blocks at or past ``blocks`` count 0.
+            With ``ring``, the codes are read from the ring at byte ``slot_off`` (where cp.async put them) instead."""
             MTOT, NT, U = self.mtot, self.nt, self.unroll
             gW = cute.zipped_divide(mW[ex, None, None], (1, 16))  # 16 bytes = 32 codes = one scale block
             rq = cute.make_rmem_tensor(cute.make_layout((16, 2 * MTOT, U)), Uint8)
@@ -510,7 +575,11 @@ def _kernel_class():
                 blk_c = cutlass.min(blk, blocks - 1)
                 live = Int32(cutlass.select_(blk < blocks, 1, 0))  # a block past K contributes 0
                 for r in cutlass.range_constexpr(2 * MTOT):
-                    cute.copy(w_atom, gW[(None, (wrows[r], blk_c))], rq[None, r, u])
+                    if cutlass.const_expr(ring is None):
+                        cute.copy(w_atom, gW[(None, (wrows[r], blk_c))], rq[None, r, u])
+                    else:
+                        cute.copy(w_atom, self._vec(ring.iterator + (slot_off + (u * 2 * MTOT + r) * 32 * 16)),
+                                  rq[None, r, u])
                     sc[r, u] = mS[ex, wrows[r], blk_c].to(Int32) * live
             for u in cutlass.range_constexpr(U):
                 blk_c = cutlass.min((kb + u) * 4 + c, blocks - 1)
@@ -521,6 +590,57 @@ def _kernel_class():
             q32 = cute.recast_tensor(rq, Int32)  # (4, 2 MTOT, U): the 16 bytes as 4 words
             for u in cutlass.range_constexpr(U):
                 self._mma_codes(mma, acc, fa, fb, fa32, q32, rx, self._scales(sc, u), u)
+
+        @cute.jit
+        def _ring_loop(self, mW, mS, gX, x_atom, mma, ring, ex, wrows, xrows, wrow, wkk, lane, c, chunks, blocks, acc):
+            """The K loop through the weight ring: this warp's batches b = 0, 1, ... (chunks wkk U + b WK U ...);
+            batch b + ring - 1 is issued (cp.async, 16 bytes a row register and chunk) before batch b is used. Each
+            lane reads back only what it copied, so its own cp.async.wait_group orders them; no barrier. Offsets
+            count weight elements (``ev`` a 16-byte vector)."""
+            S, U, WK, R, E = self.ring, self.unroll, self.wk, 2 * self.mtot, self.ev
+            w_dtype = Uint8 if cutlass.const_expr(self.fp4) else BFloat16
+            g2s = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.cpasync.LoadCacheMode.GLOBAL),
+                                      w_dtype, num_bits_per_copy=128)
+            s2r = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), w_dtype, num_bits_per_copy=128)
+            gW = cute.zipped_divide(mW[ex, None, None], (1, E))
+            stage = U * R * 32 * E  # elements of one stage of one warp
+            base = (wkk * self.wn + wrow) * S * stage + lane * E
+            nb = cutlass.max(chunks - wkk * U + WK * U - 1, 0) // (WK * U)
+            for s in cutlass.range_constexpr(S - 1):
+                if s < nb:
+                    self._ring_issue(g2s, gW, ring, wrows, wkk * U + s * WK * U, chunks, blocks, c, base + s * stage)
+                cute.arch.cp_async_commit_group()
+            for b in cutlass.range(nb):
+                cute.arch.cp_async_wait_group(S - 2)  # batch b's weights have landed (this lane's)
+                if b + S - 1 < nb:  # into the slot batch b - 1 left: this lane read it back before its MMAs
+                    self._ring_issue(g2s, gW, ring, wrows, wkk * U + (b + S - 1) * WK * U, chunks, blocks, c,
+                                     base + ((b + S - 1) % S) * stage)
+                cute.arch.cp_async_commit_group()
+                kb = wkk * U + b * WK * U
+                if cutlass.const_expr(self.fp4):
+                    self._batch_fp4(mW, mS, gX, s2r, x_atom, mma, ex, wrows, xrows, kb, blocks, c, acc, ring,
+                                    base + (b % S) * stage)
+                else:
+                    self._batch_bf16(mW, gX, s2r, x_atom, mma, ex, wrows, xrows, kb, chunks, c, acc, ring,
+                                     base + (b % S) * stage)
+            cute.arch.cp_async_wait_group(0)
+
+        @cute.jit
+        def _ring_issue(self, g2s, gW, ring, wrows, kb, chunks, blocks, c, off):
+            """cp.async of one batch's weights (U chunks from chunk kb) into the ring at element ``off``."""
+            R = 2 * self.mtot
+            for u in cutlass.range_constexpr(self.unroll):
+                if cutlass.const_expr(self.fp4):  # lane c's block of the chunk (clamped past K; its scale is 0)
+                    v = cutlass.min((kb + u) * 4 + c, blocks - 1)
+                else:  # lane c's 8 weights of the chunk (clamped past K; the chunk's products are dropped)
+                    v = cutlass.min(kb + u, chunks - 1) * 4 + c
+                for r in cutlass.range_constexpr(R):
+                    cute.copy(g2s, self._vec(gW[(None, (wrows[r], v))].iterator),
+                              self._vec(ring.iterator + (off + (u * R + r) * 32 * self.ev)))
+
+        @cute.jit
+        def _vec(self, ptr):
+            return cute.make_tensor(ptr.align(16), cute.make_layout(self.ev))
 
         @cute.jit
         def _scales(self, sc, u):
