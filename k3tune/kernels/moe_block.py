@@ -301,8 +301,8 @@ class MoeOverlap(_BlockOnGpu, KernelFamily):
             from k3tune.kernels import moe_experts_tc
 
             shape = block_shape(problem)
-            moe_experts_tc.prebuild(*self._tc_cfgs(cfg), str(problem["format"]), shape.situ_beta,
-                                    shape.situ_linear_beta)
+            moe_experts_tc.prebuild(*self._tc_cfgs(cfg), str(problem["format"]), problem["latent"], problem["inter"],
+                                    shape.situ_beta, shape.situ_linear_beta)
 
     def block_knobs(self, cfg: MoeOverlapConfig) -> dict:
         from k3tune.kernels.moe_experts import ExpertKernelConfig
