@@ -259,3 +259,32 @@ def test_every_trial_of_a_block_problem_routes_the_same_tokens_to_the_same_exper
     assert not torch.equal(a["x"], b["x"])
     other = fam.make_inputs(problem("uniform"), torch.device("cpu"), torch.Generator().manual_seed(1))
     assert not torch.equal(a["top"], other["top"])
+
+
+def test_experts_ab_reads_two_runs_and_says_when_the_new_code_lost(tmp_path):
+    """bench/experts_ab.py, run as the device scripts run it: the ratio per point and variant, exit 0 when the new
+    run is no slower, 1 when a point is slower beyond the threshold, 1 with a one-line error on a bad file."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "bench" / "experts_ab.py"
+
+    def run_file(name, us):
+        rows = [{"tp": 16, "batch": b, "routing": "uniform", "touched": 16,
+                 "x1_mxfp4": {"us": t, "iqr": 0.2, "roof": 0.5}} for b, t in zip((1, 8), us)]
+        (tmp_path / name).write_text(json.dumps({"device": "test", "copy_bw": 4e12, "rows": rows}))
+        return str(tmp_path / name)
+
+    base = run_file("base.json", (30.0, 80.0))
+
+    def ab(*args):
+        return subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=60)
+
+    same = ab(run_file("same.json", (29.5, 80.5)), base)
+    assert same.returncode == 0 and "geomean new/base x1_mxfp4: 0.995" in same.stdout, same.stdout
+    lost = ab(run_file("lost.json", (30.0, 88.0)), base)
+    assert lost.returncode == 1 and "ratio 1.100 SLOWER" in lost.stdout, lost.stdout
+    bad = ab(str(tmp_path / "missing.json"), base)
+    assert bad.returncode == 1 and bad.stderr.strip().startswith("error:") and len(bad.stderr.strip().splitlines()) == 1
