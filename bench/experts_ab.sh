@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# One device call for an expert-kernel change that is not a knob: the MoE GPU tests, bench/moe_experts.py on this
+# tree and on the base tree (a `git archive` of the base commit, made before the call; it travels as an untracked
+# file), then bench/experts_ab.py on the two. Exits non-zero when the tests fail (nothing is benched then) or when
+# the new code lost (experts_ab.py's rule), so a later step of the same call (a sweep) can be made conditional.
+# Usage (device tool, carry [".carry"]):
+#   git archive --prefix=base/ <base commit> k3tune configs tuning_db pyproject.toml $(git ls-files 'bench/*.py') \
+#     | xz > base.tar.xz
+#   NEW_TC="x1=...;r2=..." NEW_VARIANTS=x1_mxfp4,r2_mxfp4 BASE_TC="x1=..." BASE_VARIANTS=x1_mxfp4 \
+#     AB_VARIANTS=x1_mxfp4 bash bench/experts_ab.sh
+# Optional: BASE (default base.tar.xz), EXPERTS_ARGS (default --tps 16,8 --batches 1,8,64 --routings uniform
+# --samples 5), TESTS_S / BENCH_S (time limits, default 200 / 170 s). Outputs in $OUT: moe-tests.txt,
+# experts-new.{json,log}, experts-base.{json,log}, experts-ab.txt.
+set -uo pipefail
+source .carry/cutedsl/unpack.sh || exit 1
+ARGS=${EXPERTS_ARGS:---tps 16,8 --batches 1,8,64 --routings uniform --samples 5}
+timeout ${TESTS_S:-200} python3 -m pytest -m gpu -q tests/test_gpu_moe_tc.py tests/test_gpu_moe.py \
+  > $OUT/moe-tests.txt 2>&1
+rc=$?; tail -2 $OUT/moe-tests.txt; echo "gpu tests rc=$rc"
+[ $rc = 0 ] || exit 1  # no timing of kernels that fail their tests
+(cd bench && timeout ${BENCH_S:-170} python3 moe_experts.py $ARGS --tc "$NEW_TC" --variants "$NEW_VARIANTS" \
+  --out $OUT/experts-new.json > $OUT/experts-new.log 2>&1) || { echo "new-tree bench failed"; tail -3 $OUT/experts-new.log; exit 1; }
+grep -v "^#" $OUT/experts-new.log
+rm -rf /tmp/bt && mkdir -p /tmp/bt && tar -xJf "${BASE:-base.tar.xz}" -C /tmp/bt || exit 1
+(cd /tmp/bt/base/bench && PYTHONPATH=/tmp/bt/base:$PYTHONPATH timeout ${BENCH_S:-170} python3 moe_experts.py $ARGS \
+  --tc "$BASE_TC" --variants "$BASE_VARIANTS" --out $OUT/experts-base.json > $OUT/experts-base.log 2>&1) \
+  || { echo "base-tree bench failed"; tail -3 $OUT/experts-base.log; exit 1; }
+grep -v "^#" $OUT/experts-base.log
+python3 bench/experts_ab.py $OUT/experts-new.json $OUT/experts-base.json --variants "${AB_VARIANTS:-}" \
+  > $OUT/experts-ab.txt 2>&1
+rc=$?; cat $OUT/experts-ab.txt; echo "experts_ab rc=$rc"
+exit $rc
