@@ -3,7 +3,7 @@ CUDA-core grouped GEMVs (k3tune/kernels/moe_experts.py) and the tensor-core grou
 (k3tune/kernels/moe_experts_tc.py) with bf16 experts, and the tensor-core kernels with MXFP4 experts.
 
     python bench/moe_experts.py [--tps 16,8] [--batches 8,16,32,64] [--routings uniform,zipf:1.2]
-                                [--variants cc_p1,tc_a_mxfp4] [--tc 'NAME=mt,wn,wk,nt,u[,early[,rl[,dq[,pf]]]]/...;...']
+                                [--variants cc_p1,tc_a_mxfp4] [--tc 'NAME=mt,wn,wk,nt,u[,early[,rl[,dq[,pf[,ring]]]]]/...;...']
                                 [--profile]
 
 --tc adds tensor-core variants (w13 config / w2 config, TcExpertConfig's fields in order), each run with bf16 and

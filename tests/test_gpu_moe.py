@@ -52,9 +52,15 @@ def test_mxfp4_block_on_repacked_codes_matches():
     blk = MoEBlock.build(w, "tuned", batch=8, selector=Selector.load(),
                          experts_cfg=(replace(c13, dq=1), replace(c2, dq=1), per))
     assert "dq=1" in blk.ran["experts"], blk.ran["experts"]
-    assert isinstance(blk._cache["w13_codes"], moe_experts_tc.PackedCodes)
-    assert isinstance(blk._cache["w2_codes"], moe_experts_tc.PackedCodes)
+    # the block holds the codes in the kernels' layout only, not K3's order beside them
+    assert isinstance(blk.weights.w13[0], moe_experts_tc.PackedCodes)
+    assert isinstance(blk.weights.w2[0], moe_experts_tc.PackedCodes)
+    assert not any(v is w.w13[0] or v is w.w2[0] for v in blk._cache.values())
     _check(blk, w, 8)
+    # built again from the repacked weights with K3-order kernels: unpacked, and still right
+    blk0 = MoEBlock.build(blk.weights, "tuned", batch=8, selector=Selector.load(), experts_cfg=(c13, c2, per))
+    assert not isinstance(blk0.weights.w13[0], moe_experts_tc.PackedCodes)
+    _check(blk0, w, 8)
 
 
 @pytest.mark.parametrize("tp", [8, 16])

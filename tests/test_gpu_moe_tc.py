@@ -44,7 +44,12 @@ def test_tensor_core_expert_kernels_match_torch(b, k, experts, inter, latent, fm
     # last rows of the last expert: a prefetch past its end would fault) on each side, one row tile or several per
     # item (rl; groups that run past the last row tile: 5 w13 tiles in groups of 2 at inter 160); the last pair:
     # 32-token items
-    for cfg13, cfg2 in [*itertools.product(knobs[:2], knobs[2:4]), (knobs[4], knobs[5])]:
+    pairs = [*itertools.product(knobs[:2], knobs[2:4]), (knobs[4], knobs[5])]
+    # the weight ring: 2-4 stages, 1-2 chunks a batch, both MXFP4 layouts, both epilogues
+    pairs += [(TcExpertConfig(1, 2, 2, 1, 1, ring=3), TcExpertConfig(1, 4, 1, 1, 2, rl=4, dq=1, ring=2)),
+              (TcExpertConfig(2, 2, 1, 2, 1, rl=2, dq=1, ring=4), TcExpertConfig(2, 2, 2, 1, 1, early=0, ring=3)),
+              (TcExpertConfig(1, 2, 2, 1, 2, ring=2), TcExpertConfig(1, 4, 1, 1, 2, rl=4))]
+    for cfg13, cfg2 in pairs:
         if fmt == "mxfp4":
             args13 = (packed13 if cfg13.dq else c13, dict(scales=s13))
             args2 = (packed2 if cfg2.dq else c2, dict(scales=s2))

@@ -82,16 +82,21 @@ def test_tensor_core_expert_kernels_compile(arch):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         # knobs: m_tiles, warps_n, warps_k, n_tiles, unroll, beta, linear_beta, early, rl (row tiles per item), dq
-        # (the MXFP4 decode layout), pf (L2 prefetch batches ahead); bf16 ignores dq, so dq = 1 compiles for MXFP4 only
-        for kind, knobs in [("w13", (1, 2, 2, 1, 2, 4.0, 25.0, 1, 1, 0, 0)),
-                            ("w13", (2, 1, 4, 2, 1, 4.0, 25.0, 0, 4, 1, 2)),
-                            ("w2", (1, 4, 1, 1, 2, 0.0, 0.0, 1, 1, 0, 1)),
-                            ("w2", (2, 2, 2, 2, 1, 0.0, 0.0, 0, 2, 1, 0)),
-                            ("w13", (2, 2, 1, 4, 1, 4.0, 25.0, 1, 2, 0, 2)),  # 32-token items
-                            ("w13", (1, 2, 2, 4, 2, 4.0, 25.0, 1, 1, 1, 1)),
-                            ("w2", (1, 2, 2, 4, 1, 0.0, 0.0, 1, 8, 1, 2)),
-                            ("w2", (1, 4, 1, 1, 2, 0.0, 0.0, 0, 4, 0, 0))]:
-            for fmt in ("mxfp4",) if knobs[9] else ("bf16", "mxfp4"):
+        # (the MXFP4 decode layout), pf (L2 prefetch batches ahead), ring (weight ring stages), MXFP4 remainder
+        # (whole chunks past the last whole batch, half a chunk: fp4_remainder); bf16 ignores dq and the remainder,
+        # so those compile for MXFP4 only
+        for kind, knobs in [("w13", (1, 2, 2, 1, 2, 4.0, 25.0, 1, 1, 0, 0, 0, 0, 0)),
+                            ("w13", (2, 1, 4, 2, 1, 4.0, 25.0, 0, 4, 1, 2, 0, 0, 1)),
+                            ("w2", (1, 4, 1, 1, 2, 0.0, 0.0, 1, 1, 0, 1, 0, 0, 0)),
+                            ("w2", (2, 2, 2, 2, 1, 0.0, 0.0, 0, 2, 1, 0, 3, 0, 1)),
+                            ("w13", (2, 2, 1, 4, 1, 4.0, 25.0, 1, 2, 0, 2, 0, 0, 0)),  # 32-token items
+                            ("w13", (1, 2, 2, 4, 2, 4.0, 25.0, 1, 1, 1, 1, 0, 1, 0)),
+                            ("w13", (1, 2, 2, 1, 1, 4.0, 25.0, 1, 1, 0, 0, 4, 0, 0)),
+                            ("w13", (1, 2, 2, 1, 2, 4.0, 25.0, 1, 1, 0, 0, 2, 1, 1)),
+                            ("w2", (1, 2, 2, 4, 1, 0.0, 0.0, 1, 8, 1, 2, 0, 0, 0)),
+                            ("w2", (1, 4, 1, 1, 2, 0.0, 0.0, 0, 4, 0, 0, 2, 1, 0)),
+                            ("w2", (1, 4, 1, 1, 2, 0.0, 0.0, 1, 4, 1, 0, 0, 1, 1))]:  # TP16 w2's, as the default
+            for fmt in ("mxfp4",) if knobs[9] or knobs[12] or knobs[13] else ("bf16", "mxfp4"):
                 assert tc_kernel(kind, knobs, fmt, arch) is not None, (kind, knobs, fmt)
 
 

@@ -44,6 +44,22 @@ def test_mxfp4_decode_layout_gives_every_value_exactly():
     got = torch.where(bits >= 1 << 15, bits - (1 << 16), bits).to(torch.int16).view(torch.bfloat16).float()
     ones = torch.full((3, 7, 4), 127, dtype=torch.uint8)  # scale 2^0
     assert torch.equal(got * 2.0 ** 126, mxfp4.dequantize(codes, ones, torch.float32))
+    assert torch.equal(tc.unpack_codes(packed, chunk_words=3), codes)  # and back, exactly
+    assert tc.in_layout(packed, 1) is packed and tc.in_layout(codes, 0) is codes  # no copy where none is needed
+    assert torch.equal(tc.in_layout(packed, 0), codes) and torch.equal(tc.in_layout(codes, 1).data, packed.data)
+    assert torch.equal(tc.expert_codes(packed, 2), codes[2]) and torch.equal(tc.expert_codes(codes, 1), codes[1])
+
+
+def test_mxfp4_remainder_classes():
+    """K's 128-K chunks past the last whole batch and the half chunk left, as the kernels compile them: K3's w13 has
+    none; TP16 w2 (K = 192) one chunk and a half; TP8 w2 (K = 384) one chunk at unroll 2; a chunk of 3 live blocks
+    runs whole (K = 96, 224)."""
+    from k3tune.kernels.moe_experts_tc import fp4_remainder
+
+    assert all(fp4_remainder(3584, u) == (0, 0) for u in (1, 2, 4))
+    assert fp4_remainder(192, 2) == (1, 1) and fp4_remainder(192, 1) == (0, 1)
+    assert fp4_remainder(384, 2) == (1, 0) and fp4_remainder(384, 1) == (0, 0)
+    assert fp4_remainder(96, 2) == (1, 0) and fp4_remainder(224, 2) == (0, 0) and fp4_remainder(160, 1) == (0, 1)
 
 
 def test_mxfp4_codes_in_the_other_layout_are_refused():

@@ -201,6 +201,8 @@ class MoeOverlapConfig(KernelConfig):
     tc2_dq: int = 0  # (moe_experts_tc.pack_codes; s20: w2 4-6% faster steps, w13 no gain); bf16 ignores them
     tc13_pf: int = 0  # load batches ahead whose weights each warp pulls into L2 (bf16 only: s21-r1)
     tc2_pf: int = 0
+    tc13_ring: int = 0  # stages of the shared-memory weight ring (s21-r8, MXFP4 w13 with 2: experts step 2-10% faster)
+    tc2_ring: int = 0
 
 
 class MoeOverlap(_BlockOnGpu, KernelFamily):
@@ -219,7 +221,8 @@ class MoeOverlap(_BlockOnGpu, KernelFamily):
               "tc13_rl": (1, 2, 4), "tc2_rl": (1, 2, 4, 8), "tc_early": (0, 1),
               **{k: (0, 1) if problem["format"] != "bf16" else (0,) for k in ("tc13_dq", "tc2_dq")},
               # s21-r1: pf 1 made the bf16 experts step 2-24% faster (pf 2 slower from b8 on), MXFP4's 5-13% slower
-              **{k: (0, 1) if problem["format"] == "bf16" else (0,) for k in ("tc13_pf", "tc2_pf")}}
+              **{k: (0, 1) if problem["format"] == "bf16" else (0,) for k in ("tc13_pf", "tc2_pf")},
+              "tc13_ring": (0, 2, 3), "tc2_ring": (0, 2)}
         return tc | {
             "w13_rows": (2, 4, 8),
             "w13_warps": (2, 4, 8),
@@ -236,7 +239,8 @@ class MoeOverlap(_BlockOnGpu, KernelFamily):
         }
 
     _TC_KNOBS = ("tc13_mt", "tc13_wn", "tc13_wk", "tc13_unroll", "tc2_mt", "tc2_wn", "tc2_wk", "tc2_unroll",
-                 "tc13_rl", "tc2_rl", "tc_early", "tc13_dq", "tc2_dq", "tc13_pf", "tc2_pf")
+                 "tc13_rl", "tc2_rl", "tc_early", "tc13_dq", "tc2_dq", "tc13_pf", "tc2_pf",
+                 "tc13_ring", "tc2_ring")
     _CC_KNOBS = ("w13_rows", "w13_warps", "w13_unroll", "w2_rows", "w2_warps", "w2_unroll", "w2_lanes")
 
     def canonical(self, params: dict) -> dict:
@@ -272,9 +276,9 @@ class MoeOverlap(_BlockOnGpu, KernelFamily):
 
         nt = -(-cfg.group // 8)  # 8-token MMA tiles per work item: a hot expert's tokens read its weights once
         return (TcExpertConfig(cfg.tc13_mt, cfg.tc13_wn, cfg.tc13_wk, nt, cfg.tc13_unroll, cfg.tc_early, cfg.tc13_rl,
-                               cfg.tc13_dq, cfg.tc13_pf),
+                               cfg.tc13_dq, cfg.tc13_pf, cfg.tc13_ring),
                 TcExpertConfig(cfg.tc2_mt, cfg.tc2_wn, cfg.tc2_wk, nt, cfg.tc2_unroll, cfg.tc_early, cfg.tc2_rl,
-                               cfg.tc2_dq, cfg.tc2_pf))
+                               cfg.tc2_dq, cfg.tc2_pf, cfg.tc2_ring))
 
     def default(self, problem: Problem) -> MoeOverlapConfig:
         from k3tune.kernels.moe_experts import default_config
@@ -282,9 +286,10 @@ class MoeOverlap(_BlockOnGpu, KernelFamily):
         c13, c2, per = default_config(problem["M"])
         if problem["format"] != "bf16":  # MXFP4: the tensor-core kernels, items of up to 8 tokens; early epilogue
             # loads and 4 w2 row tiles per item (s19-r1: TP16 b64 337 -> 311 -> 294 us, TP8 595 -> 574 -> 562); w2 on
-            # repacked codes (s20-r3: experts step 4-6% faster at TP16/TP8 b1-64; w13 on them was not)
+            # repacked codes (s20-r3: experts step 4-6% faster at TP16/TP8 b1-64; w13 on them was not); w13's codes
+            # through a 2-stage shared-memory ring (s21-r8: 2-10% faster at TP16/TP8 b1-64)
             return MoeOverlapConfig(group=min(8, max(1, problem["M"])), shared_sms=16, experts_kernel="tensor_core",
-                                    tc_early=1, tc2_rl=4, tc2_dq=1)
+                                    tc_early=1, tc2_rl=4, tc2_dq=1, tc13_ring=2)
         return MoeOverlapConfig(c13.rows, c13.warps, c13.unroll, c2.rows, c2.warps, c2.unroll, c2.lanes, per,
                                 shared_sms=16)
 
@@ -296,7 +301,8 @@ class MoeOverlap(_BlockOnGpu, KernelFamily):
             from k3tune.kernels import moe_experts_tc
 
             shape = block_shape(problem)
-            moe_experts_tc.prebuild(*self._tc_cfgs(cfg), str(problem["format"]), shape.situ_beta, shape.situ_linear_beta)
+            moe_experts_tc.prebuild(*self._tc_cfgs(cfg), str(problem["format"]), problem["latent"], problem["inter"],
+                                    shape.situ_beta, shape.situ_linear_beta)
 
     def block_knobs(self, cfg: MoeOverlapConfig) -> dict:
         from k3tune.kernels.moe_experts import ExpertKernelConfig

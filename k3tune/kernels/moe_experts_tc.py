@@ -18,9 +18,13 @@ operands (the products are unchanged): bf16 — lane ``t`` loads 8 weights at ``
 bytes = 32 codes = one scale block (``128 j + 32 (t % 4)``) of each row; a code pair (nibble i, nibble i + 4)
 of a 32-bit word becomes a bf16x2 register with two shifts and masks (3 magnitude bits to bf16 bits 6-8,
 the sign to bit 15: the value times 2^-126, E2M1's two subnormal codes landing on bf16 subnormals), then one
-``fma.rn.bf16x2`` by 2^(scale - 1) restores the value exactly; the activations are paired to match. A chunk that
-runs past K's last block decodes its dead blocks with scale 0 (at TP16 w2's K = 192: 2 of the second chunk's 4;
-session 21 measured a half-chunk path for them 6-7% slower at TP16 b8-64, so it is not kept).
+``fma.rn.bf16x2`` by 2^(scale - 1) restores the value exactly; the activations are paired to match. The K loop
+runs whole batches of U chunks only; what K leaves past them (``fp4_remainder``, compiled per K class) runs as one
+more batch whose loads all issue first: the chunks left (a chunk of 3 live blocks runs whole, one lane scaled 0) and
+half a chunk for 1-2 blocks (lane c: 8 bytes, half c % 2 of block c // 2, 4 k16 steps). At TP16 w2's K = 192 that is
+12 k16 steps where the clamped loop ran 16 (2 dead blocks of 4); at TP8's K = 384 (unroll 2), 3 chunks where it ran 4.
+Session 21's first half-chunk path (r1) loaded a whole dead chunk before its half and lost 6-7%; a per-chunk branch
+instead cost ~45 registers (ptxas), so the batches stay branch-free.
 The epilogue's slot ids, slot weights and token count are loaded with the work item's header (``early``, the
 default), not after the MMAs: at TP16 w2's K is 192, so a CTA's whole life is one item's chain of dependent loads
 (s18-r5: w2 at 0.33 of its byte floor), and this takes one step out of it. ``rl`` row tiles per CTA and item go
@@ -33,7 +37,10 @@ loads, 24-29% occupancy) did not speed up (s20-r2/r3, bench/results/2026-12-02-s
 has each warp pull its rows' weights ``pf`` load batches ahead into L2 (``cp.async.bulk.prefetch``, one per row and
 batch, issued before the batch it overlaps): bytes in flight that hold no registers. Measured (s21-r1, experts step):
 pf 1 makes bf16 2-24% faster (TP8 b1 129 -> 98 us), pf 2 is slower from b8 on; MXFP4 is 5-13% slower with either,
-so the block searches pf for bf16 only.
+so the block searches pf for bf16 only. ``ring`` > 1 brings the weights (codes, or bf16) into a lane-private
+shared-memory ring by cp.async, ``ring`` - 1 load batches ahead of the one being used: bytes in flight that hold no
+registers and, unlike pf, no TMA requests. s21-r8: MXFP4 w13 with 2 stages of 2 chunks made the experts step 2-10%
+faster (TP16/TP8 b1-64); bf16 through the ring is compiled and staged, not yet run on a GPU.
 Scales above 2^1 are refused by ``check_scales`` (bf16 cannot hold the 2^(s-1) multiplier; K3's weight
 scales are far below).
 
@@ -108,6 +115,35 @@ def pack_codes(codes, chunk_words: int = 1 << 22) -> PackedCodes:
     return PackedCodes(out.reshape(codes.shape))
 
 
+def unpack_codes(packed: PackedCodes, chunk_words: int = 1 << 22):
+    """The inverse of ``pack_codes``: K3's codes (uint8 [..., K/2], even K index in the low nibble), exactly."""
+    import torch
+
+    data = packed.data
+    pos = torch.tensor(dq_positions(), dtype=torch.int64, device=data.device)  # [8, 4]
+    flat = data.reshape(-1, 4)
+    out = torch.empty_like(flat)
+    for a in range(0, flat.shape[0], chunk_words):
+        b = flat[a:a + chunk_words].to(torch.int64)
+        word = b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16) | (b[:, 3] << 24)
+        nib = ((word[:, None, None] >> pos) & 1) << torch.arange(4, device=data.device)  # [words, 8 codes, 4 bits]
+        nib = nib.sum(dim=2)  # codes in K order
+        out[a:a + chunk_words] = (nib[:, 0::2] | (nib[:, 1::2] << 4)).to(torch.uint8)
+    return out.reshape(data.shape)
+
+
+def in_layout(codes, dq: int):
+    """MXFP4 codes in the layout a kernel with this ``dq`` decodes: repacked or unpacked as needed, else as given."""
+    if bool(dq) == isinstance(codes, PackedCodes):
+        return codes
+    return pack_codes(codes) if dq else unpack_codes(codes)
+
+
+def expert_codes(codes, e: int):
+    """Expert ``e``'s codes in K3's order, whichever layout ``codes`` holds (for references and dequantisation)."""
+    return unpack_codes(PackedCodes(codes.data[e])) if isinstance(codes, PackedCodes) else codes[e]
+
+
 def dq_decode_reference(packed):
     """The dq = 1 decode in torch integer arithmetic, as the kernel does it: uint8 [..., K/2] packed codes ->
     int64 [..., K] bf16 bit patterns of each value x 2^-126 (before the scale), in K order. For tests."""
@@ -140,6 +176,9 @@ class TcExpertConfig:
     #              rotate and one mask per bf16x2 pair, activations paired as loaded; 0: codes as K3 ships them
     pf: int = 0  # load batches ahead whose weight bytes each warp pulls into L2 (cp.async.bulk.prefetch, one per row):
     #              bytes in flight that cost no registers, for a kernel that waits on its loads (0: off)
+    ring: int = 0  # stages of a lane-private shared-memory ring the weights (codes or bf16) arrive in by cp.async,
+    #                so ring - 1 load batches are in flight while one is used, holding no registers (0: loaded
+    #                straight into registers)
 
     @property
     def tokens(self) -> int:
@@ -156,18 +195,28 @@ SMEM_BUDGET = 48 * 1024  # shared memory a CTA may use without the opt-in for mo
 
 
 def reduction_bytes(cfg: TcExpertConfig, w13: bool) -> int:
-    """Shared memory of the K-warp reduction buffer (fp32 accumulators of warps_k - 1 warps per row warp)."""
+    """Shared memory of the K-warp reduction buffer (fp32 accumulators of warps_k - 1 warps per row warp), and of
+    the code ring where there is one."""
     mtot = 2 * cfg.m_tiles if w13 else cfg.m_tiles
-    return 4 * (4 * mtot * cfg.n_tiles) * 32 * cfg.warps_n * max(cfg.warps_k - 1, 1)
+    return 4 * (4 * mtot * cfg.n_tiles) * 32 * cfg.warps_n * max(cfg.warps_k - 1, 1) + ring_bytes(cfg, w13)
 
 
-def check(cfg: TcExpertConfig, groups, k: int, fmt: str) -> None:
+def ring_bytes(cfg: TcExpertConfig, w13: bool) -> int:
+    """The weight ring: per stage, each lane's 16 bytes of every row register (2 per MMA row tile) of each chunk."""
+    mtot = 2 * cfg.m_tiles if w13 else cfg.m_tiles
+    return cfg.ring * cfg.warps_n * cfg.warps_k * 32 * 2 * mtot * cfg.unroll * 16
+
+
+def check(cfg: TcExpertConfig, groups, k: int, fmt: str, w13: bool = True) -> None:
     from k3tune.errors import ConfigError
 
     if fmt not in ("bf16", "mxfp4"):
         raise ConfigError(f"tensor-core expert kernel: format {fmt!r}, expected bf16 or mxfp4")
     if groups.per > cfg.tokens:
         raise ConfigError(f"work items of {groups.per} tokens do not fit {cfg.n_tiles} MMA tile(s) of 8 tokens")
+    if cfg.ring and (cfg.ring < 2 or reduction_bytes(cfg, w13) > SMEM_BUDGET):
+        raise ConfigError(f"weight ring of {cfg.ring} stages: at least 2 stages, within "
+                          f"{SMEM_BUDGET // 1024} KB of shared memory with the reduction buffer")
     if k % (VEC * 4 if fmt == "bf16" else FP4_BLOCK):
         raise ConfigError(f"tensor-core expert kernel ({fmt}): K {k} is not a multiple of "
                           f"{VEC * 4 if fmt == 'bf16' else FP4_BLOCK}")
@@ -209,7 +258,8 @@ def _fake_args(kind: str, fmt: str, arch: str):
 @functools.cache
 def compiled(kind: str, knobs: tuple, fmt: str, arch: str):
     """One compile per projection, knobs (m_tiles, warps_n, warps_k, n_tiles, unroll, beta, linear_beta, early, rl,
-    dq, pf), format and arch; batch, widths and expert counts are dynamic. Never call inside a capture."""
+    dq, pf, ring, MXFP4 remainder: see ``kernel_knobs``), format and arch; batch, widths and expert counts are
+    dynamic (K within its remainder class). Never call inside a capture."""
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream
 
@@ -222,20 +272,35 @@ def compiled(kind: str, knobs: tuple, fmt: str, arch: str):
     return cached_compile(f"moe_tc_{kind}", (knobs, fmt, arch), (__name__, "k3tune.kernels.moe_experts"), build)
 
 
-def kernel_knobs(kind: str, cfg: TcExpertConfig, fmt: str, beta: float = 0.0, linear_beta: float = 0.0):
-    """``compiled``'s knobs for one projection (w13 takes the SiTU betas; bf16 ignores dq)."""
+def kernel_knobs(kind: str, cfg: TcExpertConfig, fmt: str, k: int, beta: float = 0.0, linear_beta: float = 0.0):
+    """``compiled``'s knobs for one projection of reduction width ``k`` (w13 takes the SiTU betas; bf16 ignores dq).
+    MXFP4 also compiles K's remainder class (``fp4_remainder``), so every batch of the K loop is whole and branch-free
+    and no lane decodes more than one dead block."""
     betas = (float(beta), float(linear_beta)) if kind == "w13" else (0.0, 0.0)
     fp4 = fmt == "mxfp4"
     return (cfg.m_tiles, cfg.warps_n, cfg.warps_k, cfg.n_tiles, cfg.unroll, *betas, cfg.early, cfg.rl,
-            cfg.dq if fp4 else 0, cfg.pf)
+            cfg.dq if fp4 else 0, cfg.pf, cfg.ring, *(fp4_remainder(k, cfg.unroll) if fp4 else (0, 0)))
 
 
-def prebuild(cfg13: TcExpertConfig, cfg2: TcExpertConfig, fmt: str, beta: float, linear_beta: float) -> None:
-    """Compile the two kernels a block with these configs runs, from the knobs alone (no tensors, no GPU): the
-    sweep's compile farm calls it on CPU cores, and the GPU worker then loads them from the disk cache."""
+def fp4_remainder(k: int, unroll: int) -> tuple:
+    """(rem, half) of an MXFP4 K: its 128-K chunks with at least 3 live blocks (a chunk of 3 runs whole, one lane
+    scaled 0) past the last whole batch of ``unroll`` chunks, and whether 1-2 blocks are left past those (run as half
+    a chunk: lane c takes 8 bytes, half c % 2 of block c // 2, 4 k16 steps). TP16 w2, K = 192 at unroll 2: (1, 1),
+    one chunk and a half, where the loop over whole batches decoded 2 dead blocks of 4; TP8 w2, K = 384: (1, 0), where
+    a second batch of 2 decoded a whole dead chunk. K3's w13 (K = 3584, 28 chunks) has none at unroll 1, 2 or 4."""
+    blocks = k // FP4_BLOCK
+    whole = blocks // 4 + (blocks % 4 == 3)
+    return whole % unroll, int(blocks % 4 in (1, 2))
+
+
+def prebuild(cfg13: TcExpertConfig, cfg2: TcExpertConfig, fmt: str, latent: int, inter: int, beta: float,
+             linear_beta: float) -> None:
+    """Compile the two kernels a block with these configs runs (w13 over K = ``latent``, w2 over K = ``inter``, the
+    rank's share), from the knobs alone (no tensors, no GPU): the sweep's compile farm calls it on CPU cores, and
+    the GPU worker then loads them from the disk cache."""
     arch = current_arch()
-    compiled("w13", kernel_knobs("w13", cfg13, fmt, beta, linear_beta), fmt, arch)
-    compiled("w2", kernel_knobs("w2", cfg2, fmt), fmt, arch)
+    compiled("w13", kernel_knobs("w13", cfg13, fmt, latent, beta, linear_beta), fmt, arch)
+    compiled("w2", kernel_knobs("w2", cfg2, fmt, inter), fmt, arch)
 
 
 def run_w13(cfg: TcExpertConfig, latent, w13, act, weights, groups, beta: float, linear_beta: float,
@@ -244,15 +309,15 @@ def run_w13(cfg: TcExpertConfig, latent, w13, act, weights, groups, beta: float,
     ``w13`` bf16 [E, 2I, K], or MXFP4 codes uint8 [E, 2I, K/2] with ``scales`` uint8 [E, 2I, K/32]."""
     fmt = "bf16" if scales is None else "mxfp4"
     check(cfg, groups, latent.shape[1], fmt)
-    fn = compiled("w13", kernel_knobs("w13", cfg, fmt, beta, linear_beta), fmt, current_arch())
+    fn = compiled("w13", kernel_knobs("w13", cfg, fmt, latent.shape[1], beta, linear_beta), fmt, current_arch())
     _launch(fn, latent, _operand(cfg, w13, fmt), scales, act, weights, groups, stream)
 
 
 def run_w2(cfg: TcExpertConfig, act, w2, out, weights, groups, scales=None, stream=None):
     """out[slot, :L] = weight[slot] * act[slot] . w2 rows (fp32), over ``groups``' work items."""
     fmt = "bf16" if scales is None else "mxfp4"
-    check(cfg, groups, act.shape[1], fmt)
-    fn = compiled("w2", kernel_knobs("w2", cfg, fmt), fmt, current_arch())
+    check(cfg, groups, act.shape[1], fmt, w13=False)
+    fn = compiled("w2", kernel_knobs("w2", cfg, fmt, act.shape[1]), fmt, current_arch())
     _launch(fn, act, _operand(cfg, w2, fmt), scales, out, weights, groups, stream)
 
 
@@ -312,9 +377,12 @@ def _kernel_class():
         return out
 
     class TcExpertGemm:
-        def __init__(self, which, fmt, mt, wn, wk, nt, unroll, beta=0.0, linear_beta=0.0, early=1, rl=1, dq=0, pf=0):
+        def __init__(self, which, fmt, mt, wn, wk, nt, unroll, beta=0.0, linear_beta=0.0, early=1, rl=1, dq=0, pf=0,
+                     ring=0, rem=0, half_chunk=0):
             self.w13, self.fp4, self.early, self.rl = which == "w13", fmt == "mxfp4", bool(early), rl
-            self.dq, self.pf = bool(dq) and self.fp4, pf
+            self.dq, self.pf, self.ring = bool(dq) and self.fp4, pf, ring
+            self.rem, self.hc = (rem, bool(half_chunk)) if self.fp4 else (0, False)  # see fp4_remainder
+            self.ev = 16 if self.fp4 else VEC  # weight elements in a lane's 16-byte vector
             self.mt, self.wn, self.wk, self.nt, self.unroll = mt, wn, wk, nt, unroll
             self.mtot = 2 * mt if self.w13 else mt  # MMA row tiles a warp computes (gate + up for w13)
             self.beta, self.lin = beta, linear_beta
@@ -360,6 +428,10 @@ def _kernel_class():
             nacc = 4 * MTOT * NT
             smem = cutlass.utils.SmemAllocator()
             red = smem.allocate_tensor(Float32, cute.make_layout((nacc, 32, WN, max(WK - 1, 1))), 16)
+            ring = None  # [warp][stage][chunk u][row register r][lane][16 bytes]: a warp's LDS.128 reads 512 B in a row
+            if cutlass.const_expr(self.ring > 0):
+                ring = smem.allocate_tensor(
+                    w_dtype, cute.make_layout(self.ring * WN * WK * 32 * 2 * MTOT * self.unroll * self.ev), 128)
 
             for it in cutlass.range(bidx, mCnt[n_experts], gdx):
                 code = mItems[it]
@@ -380,16 +452,16 @@ def _kernel_class():
                                 ewts.append(mWt[es // k, es % k])
                 if cutlass.const_expr(self.rl == 1):
                     self._row_tile(mX, mW, mS, mOut, mWt, mSlots, gX, x_atom, w_atom, mma, red, ex, t0, ntok, xrows,
-                                   eslots, ewts, bidy, wrow, wkk, lane, g, c, k, chunks, kdim, half, out_rows)
+                                   eslots, ewts, bidy, wrow, wkk, lane, g, c, k, chunks, kdim, half, out_rows, ring)
                 else:  # rl row tiles for this item, its header loaded once
                     for rt in cutlass.range(bidy * self.rl, cutlass.min(bidy * self.rl + self.rl, ntiles)):
                         self._row_tile(mX, mW, mS, mOut, mWt, mSlots, gX, x_atom, w_atom, mma, red, ex, t0, ntok,
                                        xrows, eslots, ewts, rt, wrow, wkk, lane, g, c, k, chunks, kdim, half,
-                                       out_rows)
+                                       out_rows, ring)
 
         @cute.jit
         def _row_tile(self, mX, mW, mS, mOut, mWt, mSlots, gX, x_atom, w_atom, mma, red, ex, t0, ntok, xrows, eslots,
-                      ewts, rt, wrow, wkk, lane, g, c, k, chunks, kdim, half, out_rows):
+                      ewts, rt, wrow, wkk, lane, g, c, k, chunks, kdim, half, out_rows, ring):
             """Row tile ``rt`` (cta_rows rows) of one work item: the K loop, the K-warp reduction, the epilogue."""
             MT, MTOT, NT, WK, U = self.mt, self.mtot, self.nt, self.wk, self.unroll
             nacc = 4 * MTOT * NT
@@ -401,17 +473,26 @@ def _kernel_class():
                     wrows.append(r + half if cutlass.const_expr(self.w13 and i >= MT) else r)
             acc = cute.make_rmem_tensor(cute.make_layout((4, MTOT, NT)), Float32)
             acc.fill(0.0)
-            gP = cute.zipped_divide(mW[ex, None, None], (1, 16 if cutlass.const_expr(self.fp4) else VEC))
-            if cutlass.const_expr(self.pf > 1):  # batches 1 .. pf - 1 (batch 0 is loaded at once; pf, in the loop)
-                for d in cutlass.range_constexpr(1, self.pf):
-                    self._prefetch(gP, mW, row0, half, out_rows, lane, wkk * U + d * WK * U, chunks)
-            for kb in cutlass.range(wkk * U, chunks, WK * U):
-                if cutlass.const_expr(self.pf > 0):  # pf batches ahead of this one, while this one is decoded
-                    self._prefetch(gP, mW, row0, half, out_rows, lane, kb + self.pf * WK * U, chunks)
-                if cutlass.const_expr(self.fp4):
-                    self._batch_fp4(mW, mS, gX, w_atom, x_atom, mma, ex, wrows, xrows, kb, kdim // FP4_BLOCK, c, acc)
-                else:
-                    self._batch_bf16(mW, gX, w_atom, x_atom, mma, ex, wrows, xrows, kb, chunks, c, acc)
+            blocks = kdim // FP4_BLOCK  # MXFP4
+            lim = chunks - self.rem - int(self.hc)  # chunks in whole batches (MXFP4: the remainder runs after them)
+            if cutlass.const_expr(self.ring > 0):  # the weights through the shared-memory ring
+                self._ring_loop(mW, mS, gX, x_atom, mma, ring, ex, wrows, xrows, wrow, wkk, lane, c, lim, blocks, acc)
+            else:
+                gP = cute.zipped_divide(mW[ex, None, None], (1, 16 if cutlass.const_expr(self.fp4) else VEC))
+                if cutlass.const_expr(self.pf > 1):  # batches 1 .. pf - 1 (batch 0 is loaded at once; pf, in the loop)
+                    for d in cutlass.range_constexpr(1, self.pf):
+                        self._prefetch(gP, mW, row0, half, out_rows, lane, wkk * U + d * WK * U, chunks)
+                for kb in cutlass.range(wkk * U, lim, WK * U):
+                    if cutlass.const_expr(self.pf > 0):  # pf batches ahead of this one, while this one is decoded
+                        self._prefetch(gP, mW, row0, half, out_rows, lane, kb + self.pf * WK * U, chunks)
+                    if cutlass.const_expr(self.fp4):
+                        self._batch_fp4(mW, mS, gX, w_atom, x_atom, mma, ex, wrows, xrows, kb, blocks, c, acc)
+                    else:
+                        self._batch_bf16(mW, gX, w_atom, x_atom, mma, ex, wrows, xrows, kb, chunks, c, acc)
+            if cutlass.const_expr(self.rem > 0 or self.hc):  # MXFP4's remainder: one batch, loads first, on the warp
+                if wkk == (lim // U) % WK:  # next in turn
+                    self._batch_fp4(mW, mS, gX, w_atom, x_atom, mma, ex, wrows, xrows, lim, blocks, c, acc,
+                                    nch=self.rem, hc=self.hc)
             if cutlass.const_expr(WK > 1):  # K warps reduced in warp order: deterministic
                 if wkk > 0:
                     for q in cutlass.range_constexpr(nacc):
@@ -462,7 +543,10 @@ def _kernel_class():
                         cp_async_bulk_prefetch(gP[(None, (r, kb * 4))].iterator, nbytes)
 
         @cute.jit
-        def _batch_bf16(self, mW, gX, w_atom, x_atom, mma, ex, wrows, xrows, kb, chunks, c, acc):
+        def _batch_bf16(self, mW, gX, w_atom, x_atom, mma, ex, wrows, xrows, kb, chunks, c, acc, ring=None,
+                        slot_off=0):
+            """U 32-K chunks from chunk kb, lane c on 8 weights a row; with ``ring``, the weights are read from the
+            ring at element ``slot_off`` (where cp.async put them) instead."""
             MTOT, NT, U = self.mtot, self.nt, self.unroll
             gW = cute.zipped_divide(mW[ex, None, None], (1, VEC))
             rw = cute.make_rmem_tensor(cute.make_layout((VEC, 2 * MTOT, U)), BFloat16)
@@ -473,7 +557,11 @@ def _kernel_class():
             for u in cutlass.range_constexpr(U):  # every load of the batch before the first MMA
                 kv = cutlass.min(kb + u, chunks - 1) * 4 + c
                 for r in cutlass.range_constexpr(2 * MTOT):
-                    cute.copy(w_atom, gW[(None, (wrows[r], kv))], rw[None, r, u])
+                    if cutlass.const_expr(ring is None):
+                        cute.copy(w_atom, gW[(None, (wrows[r], kv))], rw[None, r, u])
+                    else:
+                        cute.copy(w_atom, self._vec(ring.iterator + (slot_off + (u * 2 * MTOT + r) * 32 * VEC)),
+                                  rw[None, r, u])
             for u in cutlass.range_constexpr(U):
                 kv = cutlass.min(kb + u, chunks - 1) * 4 + c
                 for j in cutlass.range_constexpr(NT):
@@ -496,31 +584,113 @@ def _kernel_class():
                     acc[q] = acc[q] + tmp[q] * keep
 
         @cute.jit
-        def _batch_fp4(self, mW, mS, gX, w_atom, x_atom, mma, ex, wrows, xrows, kb, blocks, c, acc):
-            """U 128-K chunks from chunk kb, lane c on block 4 (kb + u) + c; blocks at or past ``blocks`` count 0."""
-            MTOT, NT, U = self.mtot, self.nt, self.unroll
-            gW = cute.zipped_divide(mW[ex, None, None], (1, 16))  # 16 bytes = 32 codes = one scale block
-            rq = cute.make_rmem_tensor(cute.make_layout((16, 2 * MTOT, U)), Uint8)
-            rx = cute.make_rmem_tensor(cute.make_layout((VEC, 4, NT, U)), BFloat16)
-            sc = cute.make_rmem_tensor(cute.make_layout((2 * MTOT, U)), Int32)
+        def _batch_fp4(self, mW, mS, gX, w_atom, x_atom, mma, ex, wrows, xrows, kb, blocks, c, acc, ring=None,
+                       slot_off=0, nch: int = -1, hc: bool = False):
+            """``nch`` (default U) 128-K chunks from chunk kb, lane c on block 4 (kb + u) + c, blocks at or past
+            ``blocks`` scaled 0; with ``hc``, then half a chunk (lane c: 8 bytes, half c % 2 of block 4 (kb + nch) +
+            c // 2), its loads issued with the chunks'. With ``ring``, the chunks' codes are read from the ring at
+            byte ``slot_off`` (where cp.async put them) instead."""
+            MTOT, NT = self.mtot, self.nt
+            U = self.unroll if nch < 0 else nch
             fa = cute.make_rmem_tensor(cute.make_layout((8, MTOT)), BFloat16)
             fb = cute.make_rmem_tensor(cute.make_layout((4, NT)), BFloat16)
-            for u in cutlass.range_constexpr(U):  # codes and scales first: they need only the expert
-                blk = (kb + u) * 4 + c
-                blk_c = cutlass.min(blk, blocks - 1)
-                live = Int32(cutlass.select_(blk < blocks, 1, 0))  # a block past K contributes 0
-                for r in cutlass.range_constexpr(2 * MTOT):
-                    cute.copy(w_atom, gW[(None, (wrows[r], blk_c))], rq[None, r, u])
-                    sc[r, u] = mS[ex, wrows[r], blk_c].to(Int32) * live
-            for u in cutlass.range_constexpr(U):
-                blk_c = cutlass.min((kb + u) * 4 + c, blocks - 1)
-                for j in cutlass.range_constexpr(NT):
-                    for v in cutlass.range_constexpr(4):
-                        cute.copy(x_atom, gX[(None, (xrows[j], blk_c * 4 + v))], rx[None, v, j, u])
             fa32 = cute.recast_tensor(fa, Int32)  # (4, MTOT): a0a1, a2a3, a4a5, a6a7
-            q32 = cute.recast_tensor(rq, Int32)  # (4, 2 MTOT, U): the 16 bytes as 4 words
-            for u in cutlass.range_constexpr(U):
-                self._mma_codes(mma, acc, fa, fb, fa32, q32, rx, self._scales(sc, u), u)
+            if cutlass.const_expr(U > 0):
+                gW = cute.zipped_divide(mW[ex, None, None], (1, 16))  # 16 bytes = 32 codes = one scale block
+                rq = cute.make_rmem_tensor(cute.make_layout((16, 2 * MTOT, U)), Uint8)
+                rx = cute.make_rmem_tensor(cute.make_layout((VEC, 4, NT, U)), BFloat16)
+                sc = cute.make_rmem_tensor(cute.make_layout((2 * MTOT, U)), Int32)
+                for u in cutlass.range_constexpr(U):  # codes and scales first: they need only the expert
+                    blk = (kb + u) * 4 + c
+                    blk_c = cutlass.min(blk, blocks - 1)
+                    live = Int32(cutlass.select_(blk < blocks, 1, 0))  # a block past K contributes 0
+                    for r in cutlass.range_constexpr(2 * MTOT):
+                        if cutlass.const_expr(ring is None):
+                            cute.copy(w_atom, gW[(None, (wrows[r], blk_c))], rq[None, r, u])
+                        else:
+                            cute.copy(w_atom, self._vec(ring.iterator + (slot_off + (u * 2 * MTOT + r) * 32 * 16)),
+                                      rq[None, r, u])
+                        sc[r, u] = mS[ex, wrows[r], blk_c].to(Int32) * live
+            if cutlass.const_expr(hc):
+                gW8 = cute.zipped_divide(mW[ex, None, None], (1, 8))  # 8 bytes = 16 codes = half a scale block
+                w8_atom = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), Uint8, num_bits_per_copy=64, invariant=True)
+                rq8 = cute.make_rmem_tensor(cute.make_layout((8, 2 * MTOT, 1)), Uint8)
+                rx8 = cute.make_rmem_tensor(cute.make_layout((VEC, 2, NT, 1)), BFloat16)
+                sc8 = cute.make_rmem_tensor(cute.make_layout((2 * MTOT, 1)), Int32)
+                hblk = (kb + U) * 4 + c // 2
+                hblk_c = cutlass.min(hblk, blocks - 1)
+                hlive = Int32(cutlass.select_(hblk < blocks, 1, 0))
+                hf = c % 2
+                for r in cutlass.range_constexpr(2 * MTOT):
+                    cute.copy(w8_atom, gW8[(None, (wrows[r], hblk_c * 2 + hf))], rq8[None, r, 0])
+                    sc8[r, 0] = mS[ex, wrows[r], hblk_c].to(Int32) * hlive
+            if cutlass.const_expr(U > 0):
+                for u in cutlass.range_constexpr(U):
+                    blk_c = cutlass.min((kb + u) * 4 + c, blocks - 1)
+                    for j in cutlass.range_constexpr(NT):
+                        for v in cutlass.range_constexpr(4):
+                            cute.copy(x_atom, gX[(None, (xrows[j], blk_c * 4 + v))], rx[None, v, j, u])
+            if cutlass.const_expr(hc):
+                for j in cutlass.range_constexpr(NT):  # the half's two activation vectors (its words' K, as loaded)
+                    for v in cutlass.range_constexpr(2):
+                        cute.copy(x_atom, gX[(None, (xrows[j], hblk_c * 4 + 2 * hf + v))], rx8[None, v, j, 0])
+            if cutlass.const_expr(U > 0):
+                q32 = cute.recast_tensor(rq, Int32)  # (4, 2 MTOT, U): the 16 bytes as 4 words
+                for u in cutlass.range_constexpr(U):
+                    self._mma_codes(mma, acc, fa, fb, fa32, q32, rx, self._scales(sc, u), u, 8)
+            if cutlass.const_expr(hc):
+                self._mma_codes(mma, acc, fa, fb, fa32, cute.recast_tensor(rq8, Int32), rx8, self._scales(sc8, 0), 0, 4)
+
+        @cute.jit
+        def _ring_loop(self, mW, mS, gX, x_atom, mma, ring, ex, wrows, xrows, wrow, wkk, lane, c, chunks, blocks, acc):
+            """The K loop through the weight ring: this warp's batches b = 0, 1, ... (chunks wkk U + b WK U ...);
+            batch b + ring - 1 is issued (cp.async, 16 bytes a row register and chunk) before batch b is used. Each
+            lane reads back only what it copied, so its own cp.async.wait_group orders them; no barrier. Offsets
+            count weight elements (``ev`` a 16-byte vector)."""
+            S, U, WK, R, E = self.ring, self.unroll, self.wk, 2 * self.mtot, self.ev
+            w_dtype = Uint8 if cutlass.const_expr(self.fp4) else BFloat16
+            g2s = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.cpasync.LoadCacheMode.GLOBAL),
+                                      w_dtype, num_bits_per_copy=128)
+            s2r = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), w_dtype, num_bits_per_copy=128)
+            gW = cute.zipped_divide(mW[ex, None, None], (1, E))
+            stage = U * R * 32 * E  # elements of one stage of one warp
+            base = (wkk * self.wn + wrow) * S * stage + lane * E
+            nb = cutlass.max(chunks - wkk * U + WK * U - 1, 0) // (WK * U)
+            for s in cutlass.range_constexpr(S - 1):
+                if s < nb:
+                    self._ring_issue(g2s, gW, ring, wrows, wkk * U + s * WK * U, chunks, blocks, c, base + s * stage)
+                cute.arch.cp_async_commit_group()
+            for b in cutlass.range(nb):
+                cute.arch.cp_async_wait_group(S - 2)  # batch b's weights have landed (this lane's)
+                if b + S - 1 < nb:  # into the slot batch b - 1 left: this lane read it back before its MMAs
+                    self._ring_issue(g2s, gW, ring, wrows, wkk * U + (b + S - 1) * WK * U, chunks, blocks, c,
+                                     base + ((b + S - 1) % S) * stage)
+                cute.arch.cp_async_commit_group()
+                kb = wkk * U + b * WK * U
+                if cutlass.const_expr(self.fp4):
+                    self._batch_fp4(mW, mS, gX, s2r, x_atom, mma, ex, wrows, xrows, kb, blocks, c, acc, ring,
+                                    base + (b % S) * stage)
+                else:
+                    self._batch_bf16(mW, gX, s2r, x_atom, mma, ex, wrows, xrows, kb, chunks, c, acc, ring,
+                                     base + (b % S) * stage)
+            cute.arch.cp_async_wait_group(0)
+
+        @cute.jit
+        def _ring_issue(self, g2s, gW, ring, wrows, kb, chunks, blocks, c, off):
+            """cp.async of one batch's weights (U chunks from chunk kb) into the ring at element ``off``."""
+            R = 2 * self.mtot
+            for u in cutlass.range_constexpr(self.unroll):
+                if cutlass.const_expr(self.fp4):  # lane c's block of the chunk (clamped past K; its scale is 0)
+                    v = cutlass.min((kb + u) * 4 + c, blocks - 1)
+                else:  # lane c's 8 weights of the chunk (clamped past K; the chunk's products are dropped)
+                    v = cutlass.min(kb + u, chunks - 1) * 4 + c
+                for r in cutlass.range_constexpr(R):
+                    cute.copy(g2s, self._vec(gW[(None, (wrows[r], v))].iterator),
+                              self._vec(ring.iterator + (off + (u * R + r) * 32 * self.ev)))
+
+        @cute.jit
+        def _vec(self, ptr):
+            return cute.make_tensor(ptr.align(16), cute.make_layout(self.ev))
 
         @cute.jit
         def _scales(self, sc, u):
@@ -532,15 +702,15 @@ def _kernel_class():
             return mul
 
         @cute.jit
-        def _mma_codes(self, mma, acc, fa, fb, fa32, q32, rx, mul, u):
-            """One 128-K chunk's eight k16 steps over a lane's block (4 words). Pair
+        def _mma_codes(self, mma, acc, fa, fb, fa32, q32, rx, mul, u, steps: int):
+            """``steps`` k16 steps over a lane's words (8: a block's 4 words; 4: half a block's 2). Pair
             p = 2s + h of the lane (a0a1/a2a3 for h = 0, a4a5/a6a7 for h = 1) is word p // 4's pair p % 4: in K3's
             order nibbles p % 4 and p % 4 + 4, activations re-paired to match; in the dq = 1 layout codes 2p, 2p + 1
             (DQ_PAIRS), whose activations are bf16 pair p % 4 of vector p // 4 as loaded."""
             MTOT, NT = self.mtot, self.nt
             rx32 = cute.recast_tensor(rx, Int32)  # bf16 pairs of each 16-byte activation vector
             fb32 = cute.recast_tensor(fb, Int32)  # (2, NT): b0b1, b2b3
-            for s in cutlass.range_constexpr(8):
+            for s in cutlass.range_constexpr(steps):
                 for i in cutlass.range_constexpr(MTOT):
                     for h in cutlass.range_constexpr(2):
                         p = 2 * s + h

@@ -32,7 +32,7 @@ clamp(u, -linear_beta, linear_beta). It is one function (``situ``): the block's 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from k3tune.errors import ConfigError
@@ -93,7 +93,7 @@ class RankWeights:
     fmt: str  # "bf16" | "mxfp4"
     w_rl: object  # [(E + L) / tp, H]
     bias: object  # [E] fp32 correction bias
-    w13: object  # [E, 2 I / tp, L]
+    w13: object  # [E, 2 I / tp, L] (MXFP4: codes in K3's order or moe_experts_tc.PackedCodes, and scales)
     w2: object  # [E, L, I / tp]
     norm: object  # [L]
     w_up: object  # [H, L / tp]: row-parallel (this rank's slice of the latent)
@@ -101,10 +101,15 @@ class RankWeights:
     shared_w2: object  # [H, S / tp]
 
     def expert_w13_bf16(self):
-        return self.w13 if self.fmt == "bf16" else mxfp4.dequantize(*self.w13)
+        return self.w13 if self.fmt == "bf16" else _dequantize(self.w13)
 
     def expert_w2_bf16(self):
-        return self.w2 if self.fmt == "bf16" else mxfp4.dequantize(*self.w2)
+        return self.w2 if self.fmt == "bf16" else _dequantize(self.w2)
+
+
+def _dequantize(pair):
+    """MXFP4 (codes in either layout, scales) -> bf16."""
+    return mxfp4.dequantize(moe_experts_tc.in_layout(pair[0], 0), pair[1])
 
 
 def random_weights(shape: BlockShape, tp: int, rank: int = 0, fmt: str = "bf16", device="cpu",
@@ -148,7 +153,8 @@ def virtual_full(w: RankWeights) -> dict:
         if w.fmt == "bf16":
             w13, w2 = w.w13[e], w.w2[e]
         else:
-            w13, w2 = mxfp4.dequantize(w.w13[0][e], w.w13[1][e]), mxfp4.dequantize(w.w2[0][e], w.w2[1][e])
+            w13 = mxfp4.dequantize(moe_experts_tc.expert_codes(w.w13[0], e), w.w13[1][e])
+            w2 = mxfp4.dequantize(moe_experts_tc.expert_codes(w.w2[0], e), w.w2[1][e])
         return rows(w13), torch.cat([w2.float()] * tp, dim=-1)
 
     return {"w_rl": torch.cat([w.w_rl.float()] * tp, dim=0), "bias": w.bias.float(), "expert": expert,
@@ -353,9 +359,11 @@ class MoEBlock:
             if w.fmt == "mxfp4":
                 moe_experts_tc.check_scales(w.w13[1])
                 moe_experts_tc.check_scales(w.w2[1])
-                # the codes in the layout each kernel decodes (dq = 1: repacked once here, as a loader would)
-                for name, codes, kcfg in (("w13_codes", w.w13[0], cfg[0]), ("w2_codes", w.w2[0], cfg[1])):
-                    blk._cache[name] = moe_experts_tc.pack_codes(codes) if kcfg.dq else codes
+                # the codes in the layout each kernel decodes (dq = 1: repacked once here, as a loader would). The
+                # block keeps that layout only: the caller's copy in the other layout may be dropped, so the expert
+                # codes are not held twice
+                blk.weights = w = replace(w, w13=(moe_experts_tc.in_layout(w.w13[0], cfg[0].dq), w.w13[1]),
+                                          w2=(moe_experts_tc.in_layout(w.w2[0], cfg[1].dq), w.w2[1]))
             blk._cache["top"] = torch.empty(tokens, k, dtype=torch.int32, device=dev)
             blk._cache["wts"] = torch.empty(tokens, k, dtype=torch.float32, device=dev)
             blk._cache["act"] = torch.empty(tokens * k, weights.shape.inter // w.tp, dtype=torch.bfloat16, device=dev)
@@ -469,9 +477,9 @@ class MoEBlock:
         self.last_top = c["top"]
         if isinstance(c["cfg13"], moe_experts_tc.TcExpertConfig):
             fp4 = w.fmt == "mxfp4"
-            moe_experts_tc.run_w13(c["cfg13"], latent, c["w13_codes"] if fp4 else w.w13, c["act"], c["wts"], g,
+            moe_experts_tc.run_w13(c["cfg13"], latent, w.w13[0] if fp4 else w.w13, c["act"], c["wts"], g,
                                    shape.situ_beta, shape.situ_linear_beta, scales=w.w13[1] if fp4 else None)
-            moe_experts_tc.run_w2(c["cfg2"], c["act"], c["w2_codes"] if fp4 else w.w2, c["per_slot"], c["wts"], g,
+            moe_experts_tc.run_w2(c["cfg2"], c["act"], w.w2[0] if fp4 else w.w2, c["per_slot"], c["wts"], g,
                                   scales=w.w2[1] if fp4 else None)
         else:
             moe_experts.run_w13(c["cfg13"], latent, w.w13, c["act"], c["wts"], g, shape.situ_beta,
