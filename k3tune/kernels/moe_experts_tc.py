@@ -93,6 +93,21 @@ def dq_positions() -> tuple:
     return tuple(tuple(row) for row in pos)
 
 
+def _words(codes):
+    """uint8 [..., 4n] -> int64 [..., n]: each run of 4 bytes as one little-endian 32-bit word (8 codes)."""
+    import torch
+
+    b = codes.reshape(*codes.shape[:-1], -1, 4).to(torch.int64)
+    return b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)
+
+
+def _bytes(words):
+    """The inverse of ``_words``: int64 [..., n] 32-bit words -> uint8 [..., 4n]."""
+    import torch
+
+    return torch.stack([(words >> (8 * i)) & 255 for i in range(4)], dim=-1).flatten(-2).to(torch.uint8)
+
+
 def pack_codes(codes, chunk_words: int = 1 << 22) -> PackedCodes:
     """K3's MXFP4 codes (uint8 [..., K/2], even K index in the low nibble) in the dq = 1 decode layout; any
     device, bounded memory (``chunk_words`` 32-bit words at a time). Scales are unchanged."""
@@ -111,7 +126,7 @@ def pack_codes(codes, chunk_words: int = 1 << 22) -> PackedCodes:
         b = flat[a:a + chunk_words].to(torch.int64)
         nib = torch.stack((b & 15, b >> 4), dim=-1).reshape(-1, 8)  # codes in K order
         word = (((nib[:, :, None] >> bits) & 1) << pos).sum(dim=(1, 2))
-        out[a:a + chunk_words] = torch.stack([(word >> (8 * i)) & 255 for i in range(4)], dim=-1).to(torch.uint8)
+        out[a:a + chunk_words] = _bytes(word[:, None])
     return PackedCodes(out.reshape(codes.shape))
 
 
@@ -124,8 +139,7 @@ def unpack_codes(packed: PackedCodes, chunk_words: int = 1 << 22):
     flat = data.reshape(-1, 4)
     out = torch.empty_like(flat)
     for a in range(0, flat.shape[0], chunk_words):
-        b = flat[a:a + chunk_words].to(torch.int64)
-        word = b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16) | (b[:, 3] << 24)
+        word = _words(flat[a:a + chunk_words])[:, 0]
         nib = ((word[:, None, None] >> pos) & 1) << torch.arange(4, device=data.device)  # [words, 8 codes, 4 bits]
         nib = nib.sum(dim=2)  # codes in K order
         out[a:a + chunk_words] = (nib[:, 0::2] | (nib[:, 1::2] << 4)).to(torch.uint8)
@@ -149,8 +163,7 @@ def dq_decode_reference(packed):
     int64 [..., K] bf16 bit patterns of each value x 2^-126 (before the scale), in K order. For tests."""
     import torch
 
-    w = packed.reshape(*packed.shape[:-1], -1, 4).to(torch.int64)
-    word = w[..., 0] | (w[..., 1] << 8) | (w[..., 2] << 16) | (w[..., 3] << 24)
+    word = _words(packed)
     pairs = []
     for terms in DQ_PAIRS:
         v = 0
