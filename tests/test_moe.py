@@ -304,3 +304,34 @@ def test_experts_ab_reads_two_runs_and_says_when_the_new_code_lost(tmp_path):
     assert lost.returncode == 1 and "ratio 1.100 SLOWER" in lost.stdout, lost.stdout
     bad = ab(str(tmp_path / "missing.json"), base)
     assert bad.returncode == 1 and bad.stderr.strip().startswith("error:") and len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_expert_sass_mix_counts_the_innermost_mma_loop(tmp_path):
+    """bench/expert_sass.py mix, as run on the dumped SASS: the opcodes of the innermost loop holding HMMAs (not the
+    outer item loop, not a loop without MMAs), with the pipe each issues on, per decoded word."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "bench" / "expert_sass.py"
+    sass = "\n".join([
+        "        /*0100*/   IMAD.MOV.U32 R1, RZ, RZ, R2 ;",
+        "        /*0110*/   LOP3.LUT R3, R1, 0x81c081c0, RZ, 0xc0, !PT ;",  # outer loop start
+        "        /*0120*/   SHF.R.U32.HI R4, RZ, 0x3, R1 ;",  # inner K loop start
+        "        /*0130*/   IMAD.SHL.U32 R5, R1, 0x8, RZ ;",
+        "        /*0140*/   LOP3.LUT R6, R4, 0x1c001c0, RZ, 0xc0, !PT ;",
+        "        /*0150*/   HFMA2.BF16_V2 R7, R6, R8, -RZ ;",
+        "        /*0160*/   HMMA.16816.F32.BF16 R10, R12, R14, R10 ;",
+        "        /*0170*/   @P0 BRA 0x120 ;",
+        "        /*0180*/   SEL R9, R1, RZ, P1 ;",
+        "        /*0190*/   @P1 BRA 0x110 ;",
+        "        /*01a0*/   IADD3 R2, R2, 0x1, RZ ;",
+        "        /*01b0*/   @P2 BRA 0x1a0 ;",  # a loop with no HMMA
+    ])
+    f = tmp_path / "k.sass"
+    f.write_text(sass)
+    out = subprocess.run([sys.executable, str(script), "mix", str(f), "--words", "2"], capture_output=True,
+                         text=True, check=True).stdout
+    assert "K loop 6 instructions (ALU 2, FMA 2, other 2)" in out, out
+    assert "per word: 3.0 (ALU 1.0, FMA 1.0, other 1.0)" in out, out
+    assert "SHF.R.U32.HI 1" in out and "HMMA.16816.F32.BF16 1" in out and "SEL" not in out, out

@@ -1,0 +1,99 @@
+"""SASS of the tensor-core expert kernels, and the instruction mix of their K loop.
+
+CuTe DSL compiles on the CPU, but disassembling needs cuobjdump, which only the GPU machine has. So:
+
+    python bench/expert_sass.py compile DIR mxfp4 w13=1,1,4,1,1,1,1,1,0,2 w2=1,4,1,1,2,1,4,1,0,0   (CPU)
+    python bench/expert_sass.py dump DIR                  (GPU machine: cuobjdump -sass of each DIR/*.cubin)
+    python bench/expert_sass.py mix DIR/*.sass            (anywhere: opcodes of each kernel's K loop)
+
+``compile`` takes TcExpertConfig's fields in order (``NAME=...``, NAME starting w13 or w2, K3's K: 3584 / 3072 / tp
+with --tp) and writes NAME.cubin; carry DIR (untracked) to the device. ``mix`` counts the opcodes of the innermost
+loop that holds HMMAs (the K loop), with the pipe each one issues on (ALU, FMA, other), per 32-bit word of weights
+the loop decodes when given --words.
+"""
+import argparse
+import collections
+import pathlib
+import re
+import subprocess
+
+ALU = ("LOP3", "SHF", "ISETP", "SEL", "IMNMX", "VIMNMX", "PRMT", "LEA", "IADD3", "FSEL", "PLOP3", "FLO", "POPC")
+FMA = ("IMAD", "HFMA2", "HMUL2", "HADD2", "FFMA", "FMUL", "FADD", "VIADD")
+
+
+def compile_cubins(out: pathlib.Path, fmt: str, specs: list, tp: int) -> None:
+    from k3tune.kernels import moe_experts_tc as tc
+
+    out.mkdir(parents=True, exist_ok=True)
+    for spec in specs:
+        name, knobs = spec.split("=")
+        kind = "w13" if name.startswith("w13") else "w2"
+        cfg = tc.TcExpertConfig(*(int(a) for a in knobs.split(",")))
+        k = 3584 if kind == "w13" else 3072 // tp
+        fn = tc.compiled(kind, tc.kernel_knobs(kind, cfg, fmt, k, 4.0, 25.0), fmt, tc.current_arch())
+        data = fn.dump_to_object(name)
+        elves = [i for i in range(len(data)) if data.startswith(b"\x7fELF", i)]
+        (out / f"{name}.cubin").write_bytes(data[elves[1]:])  # the first ELF is the host object
+        print(f"{out / name}.cubin: {kind} {cfg}")
+
+
+def dump(directory: pathlib.Path) -> None:
+    for cubin in sorted(directory.glob("*.cubin")):
+        sass = subprocess.run(["cuobjdump", "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+        cubin.with_suffix(".sass").write_text(sass)
+        print(f"{cubin.with_suffix('.sass')}: {len(sass.splitlines())} lines")
+
+
+def loop_mix(text: str) -> tuple:
+    """(opcode counts, instructions) of the innermost backward-branch loop with an HMMA in it."""
+    ins = [(int(a, 16), t.strip()) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", text)]
+    loops = []
+    for addr, t in ins:
+        m = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", t)
+        if m and int(m.group(1), 16) < addr:
+            body = [x for a, x in ins if int(m.group(1), 16) <= a <= addr]
+            if any("HMMA" in x for x in body):
+                loops.append(body)
+    if not loops:
+        raise SystemExit("no loop with HMMA found")
+    body = min(loops, key=len)
+    return collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", x).split()[0] for x in body), len(body)
+
+
+def mix(files: list, words: int) -> None:
+    for f in files:
+        counts, n = loop_mix(pathlib.Path(f).read_text())
+        pipe = collections.Counter()
+        for op, c in counts.items():
+            base = op.split(".")[0]
+            pipe["ALU" if base in ALU else "FMA" if base in FMA else "other"] += c
+        order = ("ALU", "FMA", "other")
+        per = f", per word: {n / words:.1f} ({', '.join(f'{p} {pipe[p] / words:.1f}' for p in order)})" if words else ""
+        print(f"{f}: K loop {n} instructions ({', '.join(f'{p} {pipe[p]}' for p in order)}){per}")
+        print("   " + " ".join(f"{op} {c}" for op, c in counts.most_common()))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("compile")
+    c.add_argument("dir", type=pathlib.Path)
+    c.add_argument("fmt", choices=("bf16", "mxfp4"))
+    c.add_argument("specs", nargs="+")
+    c.add_argument("--tp", type=int, default=16)
+    d = sub.add_parser("dump")
+    d.add_argument("dir", type=pathlib.Path)
+    m = sub.add_parser("mix")
+    m.add_argument("files", nargs="+")
+    m.add_argument("--words", type=int, default=0, help="32-bit weight words one trip of the loop decodes")
+    a = ap.parse_args()
+    if a.cmd == "compile":
+        compile_cubins(a.dir, a.fmt, a.specs, a.tp)
+    elif a.cmd == "dump":
+        dump(a.dir)
+    else:
+        mix(a.files, a.words)
+
+
+if __name__ == "__main__":
+    main()
