@@ -8,9 +8,10 @@
 #     | xz > base.tar.xz
 #   NEW_TC="x1=...;r2=..." NEW_VARIANTS=x1_mxfp4,r2_mxfp4 BASE_TC="x1=..." BASE_VARIANTS=x1_mxfp4 \
 #     AB_VARIANTS=x1_mxfp4 bash bench/experts_ab.sh
-# Optional: BASE (default base.tar.xz), EXPERTS_ARGS (default --tps 16,8 --batches 1,8,64 --routings uniform
-# --samples 5), TESTS_S / BENCH_S (time limits, default 200 / 170 s). Outputs in $OUT: moe-tests.txt,
-# experts-new.{json,log}, experts-base.{json,log}, experts-ab.txt.
+# Optional: BASE (default base.tar.xz), MID (a third archive, `--prefix=mid/`, run with BASE_TC: new against it too,
+# for the record; the exit status stays new against base), EXPERTS_ARGS (default --tps 16,8 --batches 1,8,64
+# --routings uniform --samples 5), TESTS_S / BENCH_S (time limits, default 200 / 170 s). Outputs in $OUT:
+# moe-tests.txt, experts-new.{json,log}, experts-base.{json,log}, experts-ab.txt (and experts-mid.*, experts-ab-mid.txt).
 set -uo pipefail
 source .carry/cutedsl/unpack.sh || exit 1
 ARGS=${EXPERTS_ARGS:---tps 16,8 --batches 1,8,64 --routings uniform --samples 5}
@@ -29,4 +30,13 @@ grep -v "^#" $OUT/experts-base.log
 python3 bench/experts_ab.py $OUT/experts-new.json $OUT/experts-base.json --variants "${AB_VARIANTS:-}" \
   > $OUT/experts-ab.txt 2>&1
 rc=$?; cat $OUT/experts-ab.txt; echo "experts_ab rc=$rc"
+if [ -n "${MID:-}" ]; then  # a third tree (archive with prefix mid/, BASE_TC's knobs): new against it, for the record
+  rm -rf /tmp/mt && mkdir -p /tmp/mt && tar -xJf "$MID" -C /tmp/mt || exit 1
+  (cd /tmp/mt/mid/bench && PYTHONPATH=/tmp/mt/mid:$PYTHONPATH timeout ${BENCH_S:-170} python3 moe_experts.py $ARGS \
+    --tc "$BASE_TC" --variants "$BASE_VARIANTS" --out $OUT/experts-mid.json > $OUT/experts-mid.log 2>&1) \
+    || { echo "mid-tree bench failed"; tail -3 $OUT/experts-mid.log; exit 1; }
+  python3 bench/experts_ab.py $OUT/experts-new.json $OUT/experts-mid.json --variants "${AB_VARIANTS:-}" \
+    > $OUT/experts-ab-mid.txt 2>&1
+  echo "new against mid:"; cat $OUT/experts-ab-mid.txt
+fi
 exit $rc
