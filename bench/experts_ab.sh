@@ -4,8 +4,8 @@
 # file), then bench/experts_ab.py on the two. Exits non-zero when the tests fail (nothing is benched then) or when
 # the new code lost (experts_ab.py's rule), so a later step of the same call (a sweep) can be made conditional.
 # Usage (device tool, carry [".carry"]):
-#   git archive --prefix=base/ <base commit> k3tune configs tuning_db pyproject.toml $(git ls-tree -r --name-only <base commit> bench | grep '\.py$') \
-#     | xz > base.tar.xz
+#   git archive --prefix=base/ <base commit> k3tune configs tuning_db pyproject.toml \
+#     $(git ls-tree -r --name-only <base commit> bench | grep '\.py$') | xz > base.tar.xz
 #   NEW_TC="x1=...;r2=..." NEW_VARIANTS=x1_mxfp4,r2_mxfp4 BASE_TC="x1=..." BASE_VARIANTS=x1_mxfp4 \
 #     AB_VARIANTS=x1_mxfp4 bash bench/experts_ab.sh
 # Optional: BASE (default base.tar.xz), MID (a third archive, `--prefix=mid/`, run with BASE_TC: new against it too,
