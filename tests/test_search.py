@@ -214,6 +214,25 @@ def test_a_winner_of_an_older_kernel_version_warm_starts_the_search():
     assert want in seeded
 
 
+def test_a_winner_lacking_a_knob_added_since_is_also_tried_as_it_ran():
+    """A knob added since the winner was found (the weight ring): the winner is tried with the default's value
+    and, since that may not fit the rest of the winner (s21's MXFP4 TP16 Zipf b1 winner, unroll 4 over 4 K warps,
+    has no shared memory left for the default's 2-stage ring), also with the knob's first declared value, the
+    older kernel's behaviour (ring 0)."""
+    p = Problem("moe.block", "moe_block", (("tp", 16), ("M", 1), ("experts", 896), ("top_k", 16), ("latent", 3584),
+                                           ("inter", 192), ("shared_inter", 384), ("hidden", 7168),
+                                           ("format", "mxfp4"), ("routing", "zipf:1.2")))
+    fam = family("moe.overlap")
+    assert fam.default_config(p).tc13_ring == 2 and fam.cached_space(p)["tc13_ring"][0] == 0
+    old = {k: v for k, v in fam.default_config(p).params().items() if k not in ("tc13_ring", "tc2_ring")}
+    old.update(tc13_mt=1, tc13_wn=1, tc13_wk=4, tc13_unroll=4, tc2_mt=2, tc2_wn=2, tc2_rl=2, shared_sms=64)
+    with_default = fam.config_cls(**{**old, "tc13_ring": 2, "tc2_ring": 0})
+    assert not fam.valid(with_default, p), "the default's ring does not fit this winner"
+    s = ProblemSearch(p, families_for(p, "simulated", GB300.arch), SETTINGS, seed=0, warm=[("moe.overlap", old)])
+    seeded = [c.params for c in s.queue if c.family == "moe.overlap"]
+    assert {**old, "tc13_ring": 0, "tc2_ring": 0} in seeded
+
+
 def test_statistical_ties_break_deterministically_to_the_safer_family():
     p = Problem("kda.o_proj", "gemm", (("M", 4), ("N", 7168), ("K", 1536)))
     fams = families_for(p, "simulated", GB300.arch)

@@ -86,6 +86,12 @@ def known_candidates(problem: Problem, families: list[KernelFamily], settings: S
             # value) or hold a value no longer declared (likewise): it is a suggestion, re-measured
             adapted = {k: params[k] if params.get(k) in space[k] else base[k] for k in space}
             tries = [adapted]
+            added = [k for k in space if k not in params]
+            if added:  # and as it ran: a knob is added with the older kernel's behaviour first in its space (0:
+                # off), and the default's value may not fit the rest (H200 s22: the MXFP4 default's 2-stage weight
+                # ring did not fit the shared memory of s21's TP16 Zipf b1 winner, so that winner was never
+                # re-measured and the re-sweep kept a config 3.8% slower)
+                tries.append({**adapted, **{k: space[k][0] for k in added}})
             if source and source[0] is not None and source[0] != problem:
                 tries.append(_follow_defaults(f, source[0], adapted, base))
             for prm in tries:
