@@ -21,6 +21,17 @@ ALU = ("LOP3", "SHF", "ISETP", "SEL", "IMNMX", "VIMNMX", "PRMT", "LEA", "IADD3",
 FMA = ("IMAD", "HFMA2", "HMUL2", "HADD2", "FFMA", "FMUL", "FADD", "VIADD")
 
 
+def device_cubins(fn, name: str) -> list:
+    """The device ELFs (cubins) inside a compiled CuTe DSL function's object (the first ELF is the host's)."""
+    data = fn.dump_to_object(name)
+    return [data[i:] for i in [i for i in range(len(data)) if data.startswith(b"\x7fELF", i)][1:]]
+
+
+def disassemble(cubin) -> str:
+    """cuobjdump -sass of a cubin file (the GPU machine has cuobjdump; the CPU one does not)."""
+    return subprocess.run(["cuobjdump", "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+
+
 def compile_cubins(out: pathlib.Path, fmt: str, specs: list, tp: int) -> None:
     from k3tune.kernels import moe_experts_tc as tc
 
@@ -31,15 +42,13 @@ def compile_cubins(out: pathlib.Path, fmt: str, specs: list, tp: int) -> None:
         cfg = tc.TcExpertConfig(*(int(a) for a in knobs.split(",")))
         k = 3584 if kind == "w13" else 3072 // tp
         fn = tc.compiled(kind, tc.kernel_knobs(kind, cfg, fmt, k, 4.0, 25.0), fmt, tc.current_arch())
-        data = fn.dump_to_object(name)
-        elves = [i for i in range(len(data)) if data.startswith(b"\x7fELF", i)]
-        (out / f"{name}.cubin").write_bytes(data[elves[1]:])  # the first ELF is the host object
+        (out / f"{name}.cubin").write_bytes(device_cubins(fn, name)[0])
         print(f"{out / name}.cubin: {kind} {cfg}")
 
 
 def dump(directory: pathlib.Path) -> None:
     for cubin in sorted(directory.glob("*.cubin")):
-        sass = subprocess.run(["cuobjdump", "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+        sass = disassemble(cubin)
         cubin.with_suffix(".sass").write_text(sass)
         print(f"{cubin.with_suffix('.sass')}: {len(sass.splitlines())} lines")
 

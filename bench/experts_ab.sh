@@ -19,22 +19,24 @@ timeout ${TESTS_S:-200} python3 -m pytest -m gpu -q tests/test_gpu_moe_tc.py tes
   > $OUT/moe-tests.txt 2>&1
 rc=$?; tail -2 $OUT/moe-tests.txt; echo "gpu tests rc=$rc"
 [ $rc = 0 ] || exit 1  # no timing of kernels that fail their tests
-(cd bench && timeout ${BENCH_S:-170} python3 moe_experts.py $ARGS --tc "$NEW_TC" --variants "$NEW_VARIANTS" \
-  --out $OUT/experts-new.json > $OUT/experts-new.log 2>&1) || { echo "new-tree bench failed"; tail -3 $OUT/experts-new.log; exit 1; }
-grep -v "^#" $OUT/experts-new.log
-rm -rf /tmp/bt && mkdir -p /tmp/bt && tar -xJf "${BASE:-base.tar.xz}" -C /tmp/bt || exit 1
-(cd /tmp/bt/base/bench && PYTHONPATH=/tmp/bt/base:$PYTHONPATH timeout ${BENCH_S:-170} python3 moe_experts.py $ARGS \
-  --tc "$BASE_TC" --variants "$BASE_VARIANTS" --out $OUT/experts-base.json > $OUT/experts-base.log 2>&1) \
-  || { echo "base-tree bench failed"; tail -3 $OUT/experts-base.log; exit 1; }
-grep -v "^#" $OUT/experts-base.log
+bench() {  # bench NAME ROOT TC VARIANTS: moe_experts.py of the tree at ROOT -> $OUT/experts-NAME.{json,log}
+  (cd $2/bench && PYTHONPATH=$2:${PYTHONPATH:-} timeout ${BENCH_S:-170} python3 moe_experts.py $ARGS --tc "$3" \
+    --variants "$4" --out $OUT/experts-$1.json > $OUT/experts-$1.log 2>&1) \
+    || { echo "$1-tree bench failed"; tail -3 $OUT/experts-$1.log; exit 1; }
+  grep -v "^#" $OUT/experts-$1.log
+}
+unpack() {  # unpack ARCHIVE NAME: a `git archive --prefix=NAME/` into /tmp/trees
+  mkdir -p /tmp/trees && rm -rf /tmp/trees/$2 && tar -xJf "$1" -C /tmp/trees || exit 1
+}
+bench new $PWD "$NEW_TC" "$NEW_VARIANTS"
+unpack "${BASE:-base.tar.xz}" base
+bench base /tmp/trees/base "$BASE_TC" "$BASE_VARIANTS"
 python3 bench/experts_ab.py $OUT/experts-new.json $OUT/experts-base.json --variants "${AB_VARIANTS:-}" \
   > $OUT/experts-ab.txt 2>&1
 rc=$?; cat $OUT/experts-ab.txt; echo "experts_ab rc=$rc"
 if [ -n "${MID:-}" ]; then  # a third tree (archive with prefix mid/, BASE_TC's knobs): new against it, for the record
-  rm -rf /tmp/mt && mkdir -p /tmp/mt && tar -xJf "$MID" -C /tmp/mt || exit 1
-  (cd /tmp/mt/mid/bench && PYTHONPATH=/tmp/mt/mid:$PYTHONPATH timeout ${BENCH_S:-170} python3 moe_experts.py $ARGS \
-    --tc "$BASE_TC" --variants "$BASE_VARIANTS" --out $OUT/experts-mid.json > $OUT/experts-mid.log 2>&1) \
-    || { echo "mid-tree bench failed"; tail -3 $OUT/experts-mid.log; exit 1; }
+  unpack "$MID" mid
+  bench mid /tmp/trees/mid "$BASE_TC" "$BASE_VARIANTS"
   python3 bench/experts_ab.py $OUT/experts-new.json $OUT/experts-mid.json --variants "${AB_VARIANTS:-}" \
     > $OUT/experts-ab-mid.txt 2>&1
   echo "new against mid:"; cat $OUT/experts-ab-mid.txt

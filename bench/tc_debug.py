@@ -4,10 +4,10 @@
 
 The knobs are SplitKConfig's fields in order (trailing ones may be left at their defaults).
 """
-import subprocess
 import sys
 
 import torch
+from expert_sass import device_cubins, disassemble
 
 from k3tune.kernels import family, gemm_splitk_tc
 from k3tune.kernels.gemm_splitk_tc import SplitKConfig
@@ -20,12 +20,9 @@ p = Problem("kda.o_proj", "gemm", (("M", m), ("N", n), ("K", k)))
 cfg = SplitKConfig(*knobs)
 if len(sys.argv) > 5:
     fn = gemm_splitk_tc.compiled(*cfg.params().values(), gemm_splitk_tc.current_arch())
-    data = fn.dump_to_object("dbg")
-    idx = [i for i in range(len(data)) if data.startswith(b"\x7fELF", i)]
-    for j, i in enumerate(idx[1:]):
-        open(f"/tmp/tc{j}.cubin", "wb").write(data[i:])
-        out = subprocess.run(["cuobjdump", "-sass", f"/tmp/tc{j}.cubin"], capture_output=True, text=True)
-        open(sys.argv[5], "a").write(out.stdout + out.stderr)
+    for j, cubin in enumerate(device_cubins(fn, "dbg")):
+        open(f"/tmp/tc{j}.cubin", "wb").write(cubin)
+        open(sys.argv[5], "a").write(disassemble(f"/tmp/tc{j}.cubin"))
 gen = torch.Generator(device="cuda").manual_seed(0)
 inputs = fam.make_inputs(p, torch.device("cuda"), gen)
 inputs["out"].fill_(float("nan"))
