@@ -13,9 +13,11 @@ the loop decodes when given --words.
 """
 import argparse
 import collections
+import os
 import pathlib
 import re
 import subprocess
+import tempfile
 
 ALU = ("LOP3", "SHF", "ISETP", "SEL", "IMNMX", "VIMNMX", "PRMT", "LEA", "IADD3", "FSEL", "PLOP3", "FLO", "POPC")
 FMA = ("IMAD", "HFMA2", "HMUL2", "HADD2", "FFMA", "FMUL", "FADD", "VIADD")
@@ -33,6 +35,9 @@ def disassemble(cubin) -> str:
 
 
 def compile_cubins(out: pathlib.Path, fmt: str, specs: list, tp: int) -> None:
+    # a kernel loaded from the disk cache holds no module to dump: compile afresh, through an empty cache (the cache
+    # path also loads the runtime library that dumping needs on a CPU-only machine; K3TUNE_KERNEL_CACHE=off does not)
+    os.environ["K3TUNE_KERNEL_CACHE"] = tempfile.mkdtemp(prefix="k3tune-sass-")
     from k3tune.kernels import moe_experts_tc as tc
 
     out.mkdir(parents=True, exist_ok=True)
