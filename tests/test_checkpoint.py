@@ -200,3 +200,42 @@ def test_bad_checkpoints_are_one_line_config_errors(tmp_path):
     w = load_rank_weights(renamed, SMALL, tp=1, rank=0, layer=LAYER,
                           names=TensorNames(latent_norm="model.layers.{layer}.mlp.post_latent_norm.weight"))
     assert torch.equal(w.norm, ckpt[N.latent_norm.format(layer=LAYER)])
+
+
+def test_checkpoint_check_command(tmp_path):
+    """`k3tune checkpoint check`: OK (exit 0) on a loadable layer, one line per problem and exit 1 otherwise."""
+    import io
+    from contextlib import redirect_stdout
+
+    from k3tune.cli import main
+
+    cfg = {"text_config": {"hidden_size": SMALL.hidden, "num_experts": SMALL.experts,
+                           "num_experts_per_token": SMALL.top_k, "routed_expert_hidden_size": SMALL.latent,
+                           "moe_intermediate_size": SMALL.inter, "num_shared_experts": 2,
+                           "num_hidden_layers": 5, "first_k_dense_replace": LAYER}}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    ck = tmp_path / "ckpt"
+    ck.mkdir()
+    ckpt = _checkpoint(SMALL, "mxfp4", seed=8)
+    ckpt[N.latent_up.format(layer=LAYER)] = torch.zeros(SMALL.hidden, SMALL.latent + 2)
+    _shards(ckpt, ck, index=True)
+    args = ["checkpoint", "check", str(ck), "--config", str(tmp_path / "config.json"), "--json"]
+
+    def run(*extra):
+        buf = io.StringIO()
+        with redirect_stdout(buf):
+            rc = main([*args, *extra])
+        return rc, json.loads(buf.getvalue())
+
+    rc, out = run("--layers", "3", "--tp", "4")
+    assert rc == 1 and out["expert_formats"] == ["mxfp4"]
+    assert out["problems"] == [f"{N.latent_up.format(layer=LAYER)} has shape [256, 130], expected [256, 128]"]
+    rc, out = run("--tp", "3")  # every MoE layer of the config: 3 and 4; layer 4 is not in the checkpoint
+    assert rc == 1 and any("does not divide" in p for p in out["problems"])
+    assert any("no routed expert 0 in layer 4" in p for p in out["problems"])
+    ckpt[N.latent_up.format(layer=LAYER)] = torch.zeros(SMALL.hidden, SMALL.latent, dtype=torch.bfloat16)
+    for f in ck.iterdir():
+        f.unlink()
+    _shards(ckpt, ck, index=False)
+    assert run("--layers", "3", "--tp", "4", "--tp", "2") == (0, {**out, "layers": 1, "tp": [4, 2], "problems": []})
+    assert main(["checkpoint", "check", str(ck), "--config", str(tmp_path / "config.json"), "--layers", "2"]) == 2

@@ -8,6 +8,7 @@ import sys
 import typer
 
 from k3tune import settings
+from k3tune.cli import checkpoint as checkpoint_cmd
 from k3tune.cli import db as db_cmd
 from k3tune.cli import lookup as lookup_cmd
 from k3tune.cli import plan as plan_cmd
@@ -20,6 +21,7 @@ app.command("sweep")(sweep_cmd.sweep)
 app.command("plan")(plan_cmd.plan)
 app.command("lookup")(lookup_cmd.lookup)
 app.add_typer(db_cmd.app, name="db")
+app.add_typer(checkpoint_cmd.app, name="checkpoint")
 
 
 def _bare_simulate(argv: list[str]) -> list[str]:

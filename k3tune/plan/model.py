@@ -111,16 +111,21 @@ def from_dict(raw: dict, source: str = "config") -> ModelConfig:
     )
 
 
-def load(path: str | Path | None = None) -> ModelConfig:
-    """Load a config.json; None means K3's published config shipped in configs/. A bare file name that is
-    not in the working directory is looked up among the shipped configs."""
+def read_raw(path: str | Path | None = None) -> tuple[dict, Path]:
+    """A config.json's JSON and where it was found; None means K3's published config shipped in configs/. A bare
+    file name that is not in the working directory is looked up among the shipped configs."""
     p = Path(path) if path else configs_dir() / "kimi_k3_config.json"
     if path and not p.exists() and len(p.parts) == 1 and (configs_dir() / p).exists():
         p = configs_dir() / p
     try:
-        raw = json.loads(p.read_text())
+        return json.loads(p.read_text()), p
     except FileNotFoundError:
         raise ConfigError(f"model config not found: {p}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{p}: not valid JSON ({e})") from None
+
+
+def load(path: str | Path | None = None) -> ModelConfig:
+    """Load a config.json (found as ``read_raw`` finds it)."""
+    raw, p = read_raw(path)
     return from_dict(raw, str(p))

@@ -139,6 +139,67 @@ def stored_format(source, layer: int, names: TensorNames = TensorNames()) -> str
                       "pass TensorNames for this checkpoint's names")
 
 
+def layer_tensors(checkpoint, shape: BlockShape, layer: int, names: TensorNames = TensorNames()) -> dict[str, tuple]:
+    """Every tensor MoE layer ``layer`` needs, by name, with its unsharded shape. A projection is listed as the
+    checkpoint stores it: ``<name>.weight``, or ``<name>.weight_packed`` and ``<name>.weight_scale`` (MXFP4)."""
+    src = open_source(checkpoint)
+    h, e, lat, inter, s = shape.hidden, shape.experts, shape.latent, shape.inter, shape.shared_inter
+    want = {names.router.format(layer=layer): (e, h), names.bias.format(layer=layer): (e,),
+            names.latent_down.format(layer=layer): (lat, h), names.latent_norm.format(layer=layer): (lat,),
+            names.latent_up.format(layer=layer): (h, lat)}
+
+    def proj(base: str, n: int, k: int):
+        if base + ".weight_packed" in src:
+            want[base + ".weight_packed"], want[base + ".weight_scale"] = (n, k // 2), (n, k // mxfp4.BLOCK)
+        else:
+            want[base + ".weight"] = (n, k)
+
+    for x in range(e):
+        for q, n, k in (("gate_proj", inter, lat), ("up_proj", inter, lat), ("down_proj", lat, inter)):
+            proj(names.expert.format(layer=layer, expert=x, proj=q), n, k)
+    for q, n, k in (("gate_proj", s, h), ("up_proj", s, h), ("down_proj", h, s)):
+        proj(names.shared.format(layer=layer, proj=q), n, k)
+    return want
+
+
+def moe_layers(raw: dict) -> list[int]:
+    """The MoE layers of a HuggingFace config (K3's: ``text_config`` nested): layer i is MoE from
+    ``first_k_dense_replace`` on, every ``moe_layer_freq``-th (DeepSeek-V3's rule)."""
+    c = raw.get("text_config", raw)
+    try:
+        n, first, freq = int(c["num_hidden_layers"]), int(c.get("first_k_dense_replace", 0)), int(c.get("moe_layer_freq", 1))
+    except (KeyError, TypeError, ValueError) as e:
+        raise ConfigError(f"config: cannot tell the MoE layers ({e})") from None
+    return [i for i in range(first, n) if i % max(freq, 1) == 0]
+
+
+def check_checkpoint(checkpoint, shape: BlockShape, layers, tps=(), names: TensorNames = TensorNames()) -> list[str]:
+    """What keeps the MoE layers ``layers`` from loading, one line each (empty: they all load): missing tensors,
+    wrong shapes, experts stored in another format than expert 0, a tp in ``tps`` the shape does not allow. Reads
+    tensor headers only."""
+    src = open_source(checkpoint)
+    problems = []
+    for tp in tps:
+        try:
+            shape.check_tp(tp)
+        except ConfigError as e:
+            problems.append(str(e))
+    for layer in layers:
+        try:
+            stored = stored_format(src, layer, names)
+        except ConfigError as e:
+            problems.append(str(e))
+            continue
+        for n, expect in layer_tensors(src, shape, layer, names).items():
+            if n not in src:
+                problems.append(f"{n} is missing")
+            elif (got := src.shape(n)) != expect:
+                problems.append(f"{n} has shape {list(got)}, expected {list(expect)}")
+            elif ".experts." in n and n.endswith(".weight") != (stored == "bf16"):
+                problems.append(f"{n}: stored as {'bf16' if stored == 'mxfp4' else 'mxfp4'}, expert 0 as {stored}")
+    return problems
+
+
 def load_rank_weights(checkpoint, shape: BlockShape, tp: int, rank: int, layer: int, fmt: str | None = None,
                       names: TensorNames = TensorNames(), device="cpu") -> RankWeights:
     """Rank ``rank`` of ``tp``'s weights of MoE layer ``layer``. ``fmt``: the routed experts' format in the result
@@ -154,18 +215,20 @@ def load_rank_weights(checkpoint, shape: BlockShape, tp: int, rank: int, layer: 
     src = open_source(checkpoint)
     stored = stored_format(src, layer, names)
     fmt = fmt or stored
-    h, e, lat, inter, s = shape.hidden, shape.experts, shape.latent, shape.inter, shape.shared_inter
-    i, sr = inter // tp, s // tp
+    e, lat = shape.experts, shape.latent
+    i, sr = shape.inter // tp, shape.shared_inter // tp
 
     def name(pattern: str, **kw) -> str:
         return pattern.format(layer=layer, **kw)
 
-    def get(n: str, expect: tuple, rows=None, cols=None):
+    want = layer_tensors(src, shape, layer, names)
+
+    def get(n: str, rows=None, cols=None):
         if n not in src:
             raise ConfigError(f"{src.label}: tensor {n} is missing")
         got = src.shape(n)
-        if got != expect:
-            raise ConfigError(f"{src.label}: {n} has shape {list(got)}, expected {list(expect)}")
+        if got != want[n]:
+            raise ConfigError(f"{src.label}: {n} has shape {list(got)}, expected {list(want[n])}")
         return src.read(n, rows, cols)
 
     def bf16(t):
@@ -179,34 +242,32 @@ def load_rank_weights(checkpoint, shape: BlockShape, tp: int, rank: int, layer: 
     lo, hi = rank * per, (rank + 1) * per
     parts = []
     if lo < e:
-        parts.append(get(name(names.router), (e, h), rows=slice(lo, min(hi, e))))
+        parts.append(get(name(names.router), rows=slice(lo, min(hi, e))))
     if hi > e:
-        parts.append(get(name(names.latent_down), (lat, h), rows=slice(max(lo, e) - e, hi - e)))
+        parts.append(get(name(names.latent_down), rows=slice(max(lo, e) - e, hi - e)))
     w_rl = bf16(torch.cat(parts, dim=0))
-    bias = get(name(names.bias), (e,)).to(device=device, dtype=torch.float32)
-    norm = bf16(get(name(names.latent_norm), (lat,)))
-    w_up = bf16(get(name(names.latent_up), (h, lat), cols=mine(lat // tp)))
+    bias = get(name(names.bias)).to(device=device, dtype=torch.float32)
+    norm = bf16(get(name(names.latent_norm)))
+    w_up = bf16(get(name(names.latent_up), cols=mine(lat // tp)))
 
-    def proj(pattern: str, out_in: tuple, rows=None, cols=None, to_bf16=False, **kw):
+    def proj(pattern: str, rows=None, cols=None, to_bf16=False, **kw):
         """One projection's slice for this rank, as stored (bf16, or MXFP4 codes and scales; ``to_bf16``:
         MXFP4 dequantised)."""
         base = pattern.format(layer=layer, **kw)
         if base + ".weight_packed" not in src:
-            return bf16(get(base + ".weight", out_in, rows, cols))
-        n, k = out_in
+            return bf16(get(base + ".weight", rows, cols))
         pc = None if cols is None else slice(cols.start // 2, cols.stop // 2)
         sc = None if cols is None else slice(cols.start // mxfp4.BLOCK, cols.stop // mxfp4.BLOCK)
-        pair = (get(base + ".weight_packed", (n, k // 2), rows, pc).to(device),
-                get(base + ".weight_scale", (n, k // mxfp4.BLOCK), rows, sc).to(device))
+        pair = (get(base + ".weight_packed", rows, pc).to(device), get(base + ".weight_scale", rows, sc).to(device))
         return mxfp4.dequantize(*pair) if to_bf16 else pair
 
     if stored == "mxfp4" and lat % mxfp4.BLOCK:
         raise ConfigError(f"MXFP4 experts need the latent width ({lat}) to be a multiple of {mxfp4.BLOCK}")
     w13 = w2 = None
     for x in range(e):  # one expert at a time into preallocated stacks: no second copy of the layer
-        gate = proj(names.expert, (inter, lat), rows=mine(i), expert=x, proj="gate_proj")
-        up = proj(names.expert, (inter, lat), rows=mine(i), expert=x, proj="up_proj")
-        down = proj(names.expert, (lat, inter), cols=mine(i), expert=x, proj="down_proj")
+        gate = proj(names.expert, rows=mine(i), expert=x, proj="gate_proj")
+        up = proj(names.expert, rows=mine(i), expert=x, proj="up_proj")
+        down = proj(names.expert, cols=mine(i), expert=x, proj="down_proj")
         if {isinstance(t, tuple) for t in (gate, up, down)} != {stored == "mxfp4"}:
             raise ConfigError(f"{src.label}: layer {layer} expert {x} is not stored as {stored} like expert 0")
         if stored == "bf16":
@@ -226,8 +287,8 @@ def load_rank_weights(checkpoint, shape: BlockShape, tp: int, rank: int, layer: 
         w13, w2 = ((mxfp4.quantize(w13), mxfp4.quantize(w2)) if fmt == "mxfp4"
                    else (mxfp4.dequantize(*w13), mxfp4.dequantize(*w2)))
     # the shared experts run in bf16 (K3's quantization_config leaves them out; quantised ones are dequantised)
-    sgate = proj(names.shared, (s, h), rows=mine(sr), to_bf16=True, proj="gate_proj")
-    sup = proj(names.shared, (s, h), rows=mine(sr), to_bf16=True, proj="up_proj")
-    sdown = proj(names.shared, (h, s), cols=mine(sr), to_bf16=True, proj="down_proj")
+    sgate = proj(names.shared, rows=mine(sr), to_bf16=True, proj="gate_proj")
+    sup = proj(names.shared, rows=mine(sr), to_bf16=True, proj="up_proj")
+    sdown = proj(names.shared, cols=mine(sr), to_bf16=True, proj="down_proj")
     return RankWeights(shape, tp, rank, fmt, w_rl=w_rl, bias=bias, w13=w13, w2=w2, norm=norm, w_up=w_up,
                        shared_w13=torch.cat([sgate, sup], dim=0), shared_w2=sdown)

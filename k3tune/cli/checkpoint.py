@@ -1,0 +1,76 @@
+"""`k3tune checkpoint check`: will a checkpoint's MoE layers load into the block executor (names, shapes, formats)?"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+from rich.markup import escape
+
+from k3tune.cli.common import ConfigOption, JsonOption, console, print_json
+from k3tune.errors import ConfigError
+
+app = typer.Typer(no_args_is_help=True, help="Check model checkpoints against what the MoE block executor loads.")
+
+
+def _layers(text: str | None, all_moe: list[int]) -> list[int]:
+    """'5', '1-92', '1,4,8-10' -> layer numbers (each an MoE layer of the config); None: every MoE layer."""
+    if not text:
+        return all_moe
+    out = []
+    try:
+        for part in text.split(","):
+            lo, _, hi = part.partition("-")
+            out += range(int(lo), int(hi or lo) + 1)
+    except ValueError:
+        raise ConfigError(f"--layers {text!r}: expected numbers and ranges, e.g. 1-92 or 3,5") from None
+    if bad := sorted(set(out) - set(all_moe)):
+        raise ConfigError(f"--layers: {bad[:5]} {'are' if len(bad) > 1 else 'is'} not MoE layers of the config")
+    return out
+
+
+@app.command("check")
+def check(
+    path: Annotated[str, typer.Argument(help="A safetensors file, or a folder of shards (with or without "
+                                             "model.safetensors.index.json).")],
+    tp: Annotated[list[int], typer.Option("--tp", help="TP sizes the layers must shard to (repeatable).")] = [8, 16],
+    layers: Annotated[str | None, typer.Option(help="Layers to check, e.g. 1-92 or 3,5 (default: every MoE layer).")] = None,
+    config: ConfigOption = None,
+    json: JsonOption = False,
+) -> None:
+    """Check, from the tensor headers only (no weights are read), that every MoE layer has each tensor the block
+    loads, with the shape the config implies, experts in one format, and widths that shard to each --tp.
+    Exit status 1 when anything is wrong.
+
+    Example: k3tune checkpoint check /models/kimi-k3 --tp 16 --layers 1-4
+    """
+    from k3tune.plan.model import read_raw
+    from k3tune.runtime.checkpoint import check_checkpoint, moe_layers, open_source, stored_format
+    from k3tune.runtime.moe import BlockShape
+
+    raw, cfg_path = read_raw(config)
+    shape = BlockShape.from_config(cfg_path)
+    which = _layers(layers, moe_layers(raw))
+    src = open_source(path)
+    problems = check_checkpoint(src, shape, which, tps=tp)
+    formats = set()
+    for x in which:
+        try:
+            formats.add(stored_format(src, x))
+        except ConfigError:  # already among the problems
+            pass
+    formats = sorted(formats)
+    if json:
+        print_json({"checkpoint": path, "config": str(cfg_path), "layers": len(which), "tp": tp,
+                    "expert_formats": formats, "problems": problems})
+    else:
+        for line in problems[:20]:
+            console.print(f"[red]problem:[/] {escape(line)}")
+        if len(problems) > 20:
+            console.print(f"... and {len(problems) - 20} more (--json lists them all)")
+        verdict = "[green]OK[/]" if not problems else f"[red]{len(problems)} problem(s)[/]"
+        console.print(f"{escape(path)}: {len(which)} MoE layer(s), experts {'/'.join(formats) or '-'}, tp "
+                      f"{','.join(map(str, tp))}: {verdict}")
+    if problems:
+        raise typer.Exit(1)
+
