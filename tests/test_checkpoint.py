@@ -196,6 +196,15 @@ def test_bad_checkpoints_are_one_line_config_errors(tmp_path):
     (tmp_path / "bad.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(ConfigError, match="not a readable safetensors file"):
         load_rank_weights(tmp_path / "bad.safetensors", SMALL, tp=1, rank=0, layer=LAYER)
+    shards = tmp_path / "shards"  # an index naming a shard that is missing, or not safetensors
+    shards.mkdir()
+    _shards(ckpt, shards, index=True)
+    (shards / "model-00002-of-00002.safetensors").write_bytes(b"truncated")
+    with pytest.raises(ConfigError, match="model-00002-of-00002.safetensors: not a readable safetensors file"):
+        load_rank_weights(shards, SMALL, tp=1, rank=0, layer=LAYER)
+    (shards / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(ConfigError, match="shard model-00002-of-00002.safetensors of .* is missing"):
+        load_rank_weights(shards, SMALL, tp=1, rank=0, layer=LAYER)
     renamed = {k.replace("latent_norm", "post_latent_norm"): v for k, v in ckpt.items()}
     w = load_rank_weights(renamed, SMALL, tp=1, rank=0, layer=LAYER,
                           names=TensorNames(latent_norm="model.layers.{layer}.mlp.post_latent_norm.weight"))

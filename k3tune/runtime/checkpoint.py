@@ -68,8 +68,6 @@ class SafetensorsSource:
     """A safetensors checkpoint: a file, or a directory (with an index, or every ``*.safetensors`` in it)."""
 
     def __init__(self, path: str | Path):
-        from safetensors import safe_open
-
         path = Path(path)
         if path.is_dir():
             index = path / INDEX
@@ -88,24 +86,27 @@ class SafetensorsSource:
             where = dict.fromkeys(self._keys(path), path)
         else:
             raise ConfigError(f"checkpoint {path}: no such file or directory")
-        self.where, self.label, self._open, self._files = where, str(path), safe_open, {}
+        self.where, self.label, self._files = where, str(path), {}
 
     @staticmethod
-    def _keys(f: Path) -> list[str]:
+    def _handle(f: Path):
         from safetensors import SafetensorError, safe_open
 
         try:
-            with safe_open(f, framework="pt") as h:
-                return list(h.keys())
+            return safe_open(f, framework="pt")
         except (SafetensorError, OSError) as e:
             raise ConfigError(f"{f}: not a readable safetensors file ({e})") from None
+
+    @classmethod
+    def _keys(cls, f: Path) -> list[str]:
+        return list(cls._handle(f).keys())
 
     def _slice(self, name: str):
         f = self.where[name]
         if f not in self._files:
             if not f.exists():
                 raise ConfigError(f"{self.label}: shard {f.name} of {name} is missing")
-            self._files[f] = self._open(f, framework="pt")
+            self._files[f] = self._handle(f)
         return self._files[f].get_slice(name)
 
     def __contains__(self, name: str) -> bool:
@@ -130,6 +131,7 @@ def open_source(checkpoint) -> MappingSource | SafetensorsSource:
 
 def stored_format(source, layer: int, names: TensorNames = TensorNames()) -> str:
     """'mxfp4' or 'bf16': how the layer's routed experts are stored (expert 0's gate projection decides)."""
+    source = open_source(source)
     base = names.expert.format(layer=layer, expert=0, proj="gate_proj")
     if base + ".weight_packed" in source:
         return "mxfp4"
