@@ -45,21 +45,14 @@ def check(
     Example: k3tune checkpoint check /models/kimi-k3 --tp 16 --layers 1-4
     """
     from k3tune.plan.model import read_raw
-    from k3tune.runtime.checkpoint import check_checkpoint, moe_layers, open_source, stored_format
+    from k3tune.runtime.checkpoint import check_checkpoint, moe_layers, open_source
     from k3tune.runtime.moe import BlockShape
 
     raw, cfg_path = read_raw(config)
     shape = BlockShape.from_config(cfg_path)
     which = _layers(layers, moe_layers(raw))
     src = open_source(path)
-    problems = check_checkpoint(src, shape, which, tps=tp)
-    formats = set()
-    for x in which:
-        try:
-            formats.add(stored_format(src, x))
-        except ConfigError:  # already among the problems
-            pass
-    formats = sorted(formats)
+    problems, formats = check_checkpoint(src, shape, which, tps=tp)
     if json:
         print_json({"checkpoint": path, "config": str(cfg_path), "layers": len(which), "tp": tp,
                     "expert_formats": formats, "problems": problems})

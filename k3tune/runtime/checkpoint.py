@@ -175,12 +175,13 @@ def moe_layers(raw: dict) -> list[int]:
     return [i for i in range(first, n) if i % max(freq, 1) == 0]
 
 
-def check_checkpoint(checkpoint, shape: BlockShape, layers, tps=(), names: TensorNames = TensorNames()) -> list[str]:
-    """What keeps the MoE layers ``layers`` from loading, one line each (empty: they all load): missing tensors,
-    wrong shapes, experts stored in another format than expert 0, a tp in ``tps`` the shape does not allow. Reads
-    tensor headers only."""
+def check_checkpoint(checkpoint, shape: BlockShape, layers, tps=(),
+                     names: TensorNames = TensorNames()) -> tuple[list[str], list[str]]:
+    """(problems, expert formats): what keeps the MoE layers ``layers`` from loading, one line each (empty: they all
+    load) — missing tensors, wrong shapes, experts stored in another format than expert 0, a tp in ``tps`` the shape
+    does not allow — and the formats their routed experts are stored in. Reads tensor headers only."""
     src = open_source(checkpoint)
-    problems = []
+    problems, formats = [], set()
     for tp in tps:
         try:
             shape.check_tp(tp)
@@ -192,6 +193,7 @@ def check_checkpoint(checkpoint, shape: BlockShape, layers, tps=(), names: Tenso
         except ConfigError as e:
             problems.append(str(e))
             continue
+        formats.add(stored)
         for n, expect in layer_tensors(src, shape, layer, names).items():
             if n not in src:
                 problems.append(f"{n} is missing")
@@ -199,7 +201,7 @@ def check_checkpoint(checkpoint, shape: BlockShape, layers, tps=(), names: Tenso
                 problems.append(f"{n} has shape {list(got)}, expected {list(expect)}")
             elif ".experts." in n and n.endswith(".weight") != (stored == "bf16"):
                 problems.append(f"{n}: stored as {'bf16' if stored == 'mxfp4' else 'mxfp4'}, expert 0 as {stored}")
-    return problems
+    return problems, sorted(formats)
 
 
 def load_rank_weights(checkpoint, shape: BlockShape, tp: int, rank: int, layer: int, fmt: str | None = None,
