@@ -273,13 +273,13 @@ def test_the_routed_all_reduce_stand_in_is_charged_the_summed_latent_rows(path, 
     from k3tune.runtime.moe import EmulatedComm
 
     charged = []
-    real = EmulatedComm._occupy
+    real = EmulatedComm.cycles
 
-    def spy(self, x, ring_factor=2.0, nbytes=None):
-        charged.append(x.numel() * x.element_size() if nbytes is None else nbytes)
-        return real(self, x, ring_factor, nbytes)
+    def spy(self, nbytes, ring_factor=2.0):
+        charged.append(nbytes)
+        return real(self, nbytes, ring_factor)
 
-    monkeypatch.setattr(EmulatedComm, "_occupy", spy)
+    monkeypatch.setattr(EmulatedComm, "cycles", spy)
     w = random_weights(K3, 16, device="cuda", seed=17)
     batch = 8
     blk = MoEBlock.build(w, path, batch=batch, selector=Selector.load() if path == "tuned" else None,
@@ -291,3 +291,47 @@ def test_the_routed_all_reduce_stand_in_is_charged_the_summed_latent_rows(path, 
     assert len(charged) == (3 if path == "tuned" else 2), charged
     routed = charged[-2]
     assert routed == batch * K3.latent * (4 if path == "tuned" else 2), charged
+
+
+def test_the_fused_stand_ins_write_what_the_collectives_would():
+    """gather_rows and reduce_add_rows (the emulated collectives' one-launch stand-ins) against torch, outputs
+    poisoned, odd widths, with and without spin."""
+    import torch
+
+    from k3tune.kernels import moe_experts
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    for b, w, tp, cycles in ((1, 280, 16, 2000), (3, 561, 8, 0), (64, 7168, 2, 100), (5, 33, 3, 0)):
+        x = torch.randn(b, w, device="cuda", generator=g).to(torch.bfloat16)
+        out = torch.full((b, tp * w), float("nan"), device="cuda", dtype=torch.bfloat16)
+        moe_experts.gather_rows(x, out, tp, cycles)
+        assert torch.equal(out, torch.cat([x] * tp, dim=-1))
+        base = torch.randn(b, w, device="cuda", generator=g).to(torch.bfloat16)
+        got = torch.full_like(base, float("nan"))
+        moe_experts.reduce_add_rows(x, base, got, tp, cycles)
+        ref = base.float() + tp * x.float()
+        assert torch.allclose(got.float(), ref, rtol=8e-3, atol=1e-2), (got.float() - ref).abs().max()
+
+
+def test_the_tuned_blocks_collectives_run_as_fused_stand_ins(monkeypatch):
+    """A tuned TP16 block on a GPU runs its gather and final all-reduce + add as the fused stand-in kernels (and
+    the routed all-reduce's spin inside sum_norm), and still matches the reference."""
+    from k3tune.kernels import moe_experts
+    from k3tune.runtime import Selector
+    from k3tune.runtime.moe import EmulatedComm
+
+    ran = []
+    for name in ("gather_rows", "reduce_add_rows", "sum_norm"):
+        real = getattr(moe_experts, name)
+
+        def spy(*a, _real=real, _name=name, **k):
+            ran.append((_name, k.get("cycles")))
+            return _real(*a, **k)
+
+        monkeypatch.setattr(moe_experts, name, spy)
+    w = random_weights(K3, 16, device="cuda", seed=19)
+    blk = MoEBlock.build(w, "tuned", batch=2, selector=Selector.load(), comm=EmulatedComm.for_target("gb300", 16))
+    _check(blk, w, 2)
+    names = [n for n, _ in ran]
+    assert names == ["gather_rows", "sum_norm", "reduce_add_rows"], ran
+    assert all(c and c > 0 for _, c in ran), ran  # every stand-in spins (the target link has time)

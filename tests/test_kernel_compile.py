@@ -63,7 +63,9 @@ def test_moe_expert_kernels_compile(arch):
         for kind, knobs in [("w13", (4, 4, 4, 32, 1, 4.0, 25.0)), ("w13", (4, 4, 2, 32, 4, 4.0, 25.0)),
                             ("w13", (1, 2, 1, 16, 2, 4.0, 25.0)), ("w2", (8, 2, 4, 32, 1)), ("w2", (4, 4, 1, 8, 2)),
                             ("w2", (16, 1, 2, 16, 8)), ("route", (896, 16, 1.0, False, 4)),
-                            ("route", (40, 4, 1.0, True, 1)), ("sum_norm", (16, 1e-5, 2)), ("sum_norm", (16, 1e-5, 2, 16)), ("situ", (4.0, 25.0))]:
+                            ("route", (40, 4, 1.0, True, 1)), ("sum_norm", (16, 1e-5, 2)),
+                            ("sum_norm", (16, 1e-5, 2, 16)), ("situ", (4.0, 25.0)), ("gather", (16,)),
+                            ("reduce_add", (8,))]:
             assert moe_kernel(kind, knobs, arch) is not None, (kind, knobs)
 
 

@@ -13,6 +13,9 @@ act[slot, r] = situ(x_tok . gate_r, x_tok . up_r) (bf16).
 ``sum_norm``: one CTA per token: the token's k slots summed in slot order (deterministic: the grouping
 order never reaches the numbers), RMSNorm with the latent norm's weight, bf16 out; CTA 0 also resets the
 group counters, so the next step (or graph replay) starts from zero.
+``gather_rows``, ``reduce_add_rows``: the emulated collectives' stand-ins (``k3tune.runtime.moe.EmulatedComm``) as
+one launch each, spin and output together, as a fused collective kernel writes its own output; ``sum_norm`` takes
+the routed all-reduce's spin the same way.
 
 Grouping by expert matters once tokens share experts: at batch 64 with skewed routing ~280 experts serve
 1024 slots, and a kernel per (token, choice) would read each of them ~3.6 times.
@@ -86,7 +89,7 @@ NEG = -3.0e38
 
 def _fake_args(kind: str, arch: str):
     import cutlass.cute as cute
-    from cutlass import BFloat16, Float32, Int32
+    from cutlass import BFloat16, Float32, Int32, Int64
     from cutlass.cute.runtime import make_fake_compact_tensor as fake
 
     os.environ["CUTE_DSL_ARCH"] = arch  # some checks read the environment, not the option
@@ -106,7 +109,11 @@ def _fake_args(kind: str, arch: str):
         n4 = cute.sym_int(divisibility=4)
         return (fake(Float32, (t, n4), stride_order=(1, 0), assumed_align=16),
                 fake(BFloat16, (cute.sym_int(),), assumed_align=2),
-                fake(BFloat16, (b, cute.sym_int()), stride_order=(1, 0), assumed_align=2), groups[0])
+                fake(BFloat16, (b, cute.sym_int()), stride_order=(1, 0), assumed_align=2), groups[0], Int64(0))
+    if kind in ("gather", "reduce_add"):
+        rows = [fake(BFloat16, (b, cute.sym_int()), stride_order=(1, 0), assumed_align=2)
+                for _ in range(2 if kind == "gather" else 3)]
+        return (*rows, Int64(0))
     n, kk = cute.sym_int(), cute.sym_int(divisibility=VEC)
     x = fake(BFloat16, (cute.sym_int(), kk), stride_order=(1, 0), assumed_align=16)
     w = fake(BFloat16, (cute.sym_int(), n, kk), stride_order=(2, 1, 0), assumed_align=16)
@@ -174,11 +181,13 @@ def _check(cfg: ExpertKernelConfig, groups: Groups):
 SUM_NORM_THREADS = 512
 
 
-def sum_norm(per_slot, norm_weight, out, top_k: int, eps: float, groups: Groups, slices: int = 1, stream=None):
+def sum_norm(per_slot, norm_weight, out, top_k: int, eps: float, groups: Groups, slices: int = 1, cycles: int = 0,
+             stream=None):
     """n[b] = RMSNorm(sum_j per_slot[b k + j]) x norm_weight; out[b] = the sum of n[b]'s ``slices`` equal
     slices (bf16, width / slices: what a row-parallel projection over ``slices`` emulated ranks multiplies;
     1: n itself); resets ``groups`` for the next step. RMSNorm(c x) = x / sqrt(mean(x^2) + eps / c^2): a
-    caller whose sum is all-reduced by c identical ranks passes eps / c^2. The row width must be a multiple
+    caller whose sum is all-reduced by c identical ranks passes eps / c^2. ``cycles``: SM cycles of spin first,
+    an emulated all-reduce's link time (the all-reduce fused with the norm, one launch). The row width must be a multiple
     of 4 (16-byte vectors) and of ``slices``."""
     from k3tune.errors import ConfigError
 
@@ -188,7 +197,29 @@ def sum_norm(per_slot, norm_weight, out, top_k: int, eps: float, groups: Groups,
                           f" wide")
     per = -(-n // (4 * SUM_NORM_THREADS))
     fn = compiled("sum_norm", (top_k, float(eps), per, slices), current_arch())
-    fn(_t(per_slot, 16), _t(norm_weight, 2), _t(out, 2), _t(groups.counts, 4), _stream(stream))
+    fn(_t(per_slot, 16), _t(norm_weight, 2), _t(out, 2), _t(groups.counts, 4), int(cycles), _stream(stream))
+
+
+def gather_rows(x, out, tp: int, cycles: int = 0, stream=None):
+    """out[b] = x[b] repeated ``tp`` times (bf16 [B, tp w] from [B, w]) after ``cycles`` SM cycles of spin: an
+    emulated all-gather's stand-in and its output in one launch."""
+    from k3tune.errors import ConfigError
+
+    if out.shape != (x.shape[0], tp * x.shape[1]):
+        raise ConfigError(f"gather_rows: out {list(out.shape)} is not [{x.shape[0]}, {tp} x {x.shape[1]}]")
+    fn = compiled("gather", (tp,), current_arch())
+    fn(_t(x, 2), _t(out, 2), int(cycles), _stream(stream))
+
+
+def reduce_add_rows(x, base, out, tp: int, cycles: int = 0, stream=None):
+    """out = base + tp x (bf16, fp32 math) after ``cycles`` SM cycles of spin: an emulated all-reduce (every rank
+    holding x) fused with the residual add, in one launch."""
+    from k3tune.errors import ConfigError
+
+    if not x.shape == base.shape == out.shape:
+        raise ConfigError(f"reduce_add_rows: x {list(x.shape)}, base {list(base.shape)}, out {list(out.shape)} differ")
+    fn = compiled("reduce_add", (tp,), current_arch())
+    fn(_t(x, 2), _t(base, 2), _t(out, 2), int(cycles), _stream(stream))
 
 
 def situ_rows(h, out, beta: float, linear_beta: float, stream=None):
@@ -219,7 +250,16 @@ def _kernel_classes():
     import cutlass
     import cutlass.cute as cute
     from cuda.bindings import driver as cuda
-    from cutlass import BFloat16, Float32, Int32
+    from cutlass import BFloat16, Float32, Int32, Int64
+
+    @cute.jit
+    def spin(cycles: Int64):
+        """Busy-wait ``cycles`` SM clock cycles (torch.cuda._sleep's unit), reading no memory."""
+        if cycles > 0:
+            t0 = cute.arch.clock64()
+            now = t0
+            while now - t0 < cycles:
+                now = cute.arch.clock64()
 
     class ExpertGemv:
         def __init__(self, which, rows, warps, unroll, lanes, per, beta=0.0, linear_beta=0.0):
@@ -418,16 +458,17 @@ def _kernel_classes():
             self.K, self.eps, self.per, self.slices = top_k, eps, per, slices
 
         @cute.jit
-        def __call__(self, mP: cute.Tensor, mG: cute.Tensor, mOut: cute.Tensor, mCnt: cute.Tensor,
+        def __call__(self, mP: cute.Tensor, mG: cute.Tensor, mOut: cute.Tensor, mCnt: cute.Tensor, cycles: Int64,
                      stream: cuda.CUstream):
-            self.kernel(mP, mG, mOut, mCnt).launch(grid=(mOut.shape[0], 1, 1), block=(self.THREADS, 1, 1),
-                                                   stream=stream)
+            self.kernel(mP, mG, mOut, mCnt, cycles).launch(grid=(mOut.shape[0], 1, 1), block=(self.THREADS, 1, 1),
+                                                           stream=stream)
 
         @cute.kernel
-        def kernel(self, mP: cute.Tensor, mG: cute.Tensor, mOut: cute.Tensor, mCnt: cute.Tensor):
+        def kernel(self, mP: cute.Tensor, mG: cute.Tensor, mOut: cute.Tensor, mCnt: cute.Tensor, cycles: Int64):
             T, K, PER = self.THREADS, self.K, self.per
             tidx, _, _ = cute.arch.thread_idx()
             b, _, _ = cute.arch.block_idx()
+            spin(cycles)  # a fused all-reduce's link time (0: none)
             n = mP.shape[1]  # the latent's width (the output is n / slices wide)
             nv = n // 4
             gP = cute.zipped_divide(mP, (1, 4))
@@ -480,6 +521,54 @@ def _kernel_classes():
                         acc = acc + row[r * w + q]
                     mOut[b, q] = acc.to(BFloat16)
 
+    class Gather:
+        """out[b, r w + j] = x[b, j] for r < tp after ``cycles`` of spin: an all-gather's stand-in that writes
+        its output, as the collective kernel would (one launch, not a spin and a concatenation)."""
+        THREADS = 256
+
+        def __init__(self, tp):
+            self.tp = tp
+
+        @cute.jit
+        def __call__(self, mX: cute.Tensor, mOut: cute.Tensor, cycles: Int64, stream: cuda.CUstream):
+            n = mOut.shape[1]
+            self.kernel(mX, mOut, cycles).launch(grid=(mOut.shape[0], (n + self.THREADS - 1) // self.THREADS, 1),
+                                                 block=(self.THREADS, 1, 1), stream=stream)
+
+        @cute.kernel
+        def kernel(self, mX: cute.Tensor, mOut: cute.Tensor, cycles: Int64):
+            tidx, _, _ = cute.arch.thread_idx()
+            b, j, _ = cute.arch.block_idx()
+            spin(cycles)
+            i = j * self.THREADS + tidx
+            if i < mOut.shape[1]:
+                mOut[b, i] = mX[b, i % mX.shape[1]]
+
+    class ReduceAdd:
+        """out = base + tp x (fp32 math, bf16 out) after ``cycles`` of spin: an all-reduce's stand-in fused with
+        the residual add, as a fused all-reduce kernel does it."""
+        THREADS = 256
+
+        def __init__(self, tp):
+            self.tp = tp
+
+        @cute.jit
+        def __call__(self, mX: cute.Tensor, mBase: cute.Tensor, mOut: cute.Tensor, cycles: Int64,
+                     stream: cuda.CUstream):
+            n = mOut.shape[1]
+            self.kernel(mX, mBase, mOut, cycles).launch(
+                grid=(mOut.shape[0], (n + self.THREADS - 1) // self.THREADS, 1), block=(self.THREADS, 1, 1),
+                stream=stream)
+
+        @cute.kernel
+        def kernel(self, mX: cute.Tensor, mBase: cute.Tensor, mOut: cute.Tensor, cycles: Int64):
+            tidx, _, _ = cute.arch.thread_idx()
+            b, j, _ = cute.arch.block_idx()
+            spin(cycles)
+            i = j * self.THREADS + tidx
+            if i < mOut.shape[1]:
+                mOut[b, i] = (mBase[b, i].to(Float32) + Float32(self.tp) * mX[b, i].to(Float32)).to(BFloat16)
+
     class Situ:
         THREADS = 256
 
@@ -504,4 +593,4 @@ def _kernel_classes():
                 mOut[b, i] = (g / (Float32(1.0) + cute.math.exp(-Float32(self.beta) * g)) * u).to(BFloat16)
 
     return {"w13": lambda *k: ExpertGemv("w13", *k), "w2": lambda *k: ExpertGemv("w2", *k), "route": Route,
-            "sum_norm": SumNorm, "situ": Situ}
+            "sum_norm": SumNorm, "situ": Situ, "gather": Gather, "reduce_add": ReduceAdd}

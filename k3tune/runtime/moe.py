@@ -19,7 +19,10 @@ Dataflow per rank (tp ranks; weights of rank ``rank``):
 
 On one GPU the collectives are emulated (``EmulatedComm``): the other ranks are taken to hold the same
 shards as this one (all-gather repeats this rank's part, all-reduce multiplies by tp), and each collective
-can occupy the GPU for the time the target's NVLink would take without touching HBM. ``virtual_full``
+can occupy the GPU for the time the target's NVLink would take without touching HBM. On a GPU that spin and the
+collective's output are one launch, as a fused collective kernel writes its own output: the gathered rows, the
+final residual add, and (tuned path) the routed slot sum + RMSNorm; no separate concatenation or add is charged
+on top of the modelled link time. ``virtual_full``
 builds the unsharded weights that this convention implies, so a TP-free torch reference can check any tp.
 For the row-parallel up-projection the convention makes the ranks' partials sum to (sum of the latent's
 tp slices) @ W_up[rank]^T, so the rank computes that: its own weight bytes, the all-reduced value exactly.
@@ -232,28 +235,51 @@ class EmulatedComm:
             return 0.0
         return self.latency_us + ring_factor * (self.tp - 1) / self.tp * nbytes / (self.link_gbps * 1e9) * 1e6
 
+    def cycles(self, nbytes: int, ring_factor: float = 2.0) -> int:
+        """The stand-in's SM clock cycles for a collective moving ``nbytes`` (0: none)."""
+        return int(self.stand_in_us(nbytes, ring_factor) * _SPIN_CYCLES_PER_US)
+
     def _occupy(self, x, ring_factor: float = 2.0, nbytes: int | None = None):
         """The stand-in for a collective over ``x`` (or over ``nbytes`` where x's own size is not what moves)."""
         import torch
 
-        us = self.stand_in_us(x.numel() * x.element_size() if nbytes is None else nbytes, ring_factor)
-        if us > 0 and x.is_cuda:
-            torch.cuda._sleep(int(us * _SPIN_CYCLES_PER_US))
+        n = self.cycles(x.numel() * x.element_size() if nbytes is None else nbytes, ring_factor)
+        if n > 0 and x.is_cuda:
+            torch.cuda._sleep(n)
+
+    @staticmethod
+    def _fused(*ts) -> bool:
+        """On a GPU, bf16 rows: the stand-in and the collective's output are one k3tune kernel (a fused collective
+        writes its own output), not a spin and a torch op after it."""
+        import torch
+
+        return all(t.is_cuda and t.dtype == torch.bfloat16 and t.dim() == 2 and t.stride(1) == 1 for t in ts)
 
     def all_gather(self, x):
         import torch
 
-        self._occupy(x, ring_factor=self.tp)  # a ring all-gather moves (tp - 1) parts of x's size
-        return x if self.tp == 1 else torch.cat([x] * self.tp, dim=-1)
+        if self.tp == 1:
+            return x
+        # a ring all-gather moves (tp - 1) parts of x's size
+        if self._fused(x):
+            out = torch.empty(x.shape[0], self.tp * x.shape[1], dtype=x.dtype, device=x.device)
+            moe_experts.gather_rows(x, out, self.tp, cycles=self.cycles(x.numel() * x.element_size(), self.tp))
+            return out
+        self._occupy(x, ring_factor=self.tp)
+        return torch.cat([x] * self.tp, dim=-1)
 
     def all_reduce(self, x):
         self._occupy(x)
         return x if self.tp == 1 else x * self.tp
 
     def all_reduce_add(self, x, base):
-        """base + all_reduce(x), one elementwise kernel."""
+        """base + all_reduce(x), one launch (with the stand-in, on a GPU)."""
         import torch
 
+        if self.tp > 1 and x.shape == base.shape and self._fused(x, base):
+            out = torch.empty_like(base)
+            moe_experts.reduce_add_rows(x, base, out, self.tp, cycles=self.cycles(x.numel() * x.element_size()))
+            return out
         self._occupy(x)
         return torch.add(base, x, alpha=self.tp)
 
@@ -467,14 +493,21 @@ class MoEBlock:
     def _cute_routed(self, y, latent):
         """Routing, both expert projections, the slot sum and the RMSNorm: five launches. The emulated
         all-reduce of the routed latent (x tp) is folded into the norm's eps (RMSNorm(c x) = x / sqrt(mean
-        x^2 + eps / c^2)); its stand-in time, if any, still runs."""
+        x^2 + eps / c^2)); its stand-in time, if any, is spun by the norm kernel before it reads."""
+        import torch
+
         w, shape, c = self.weights, self.weights.shape, self._cache
         forced = self.force_top is not None
-        if forced:
-            c["top"].copy_(self.force_top)
+        top = c["top"]
+        if forced:  # the imposed experts, read in place where they can be (the copy is a measurement artefact)
+            ft = self.force_top
+            if ft.dtype == torch.int32 and ft.shape == top.shape and ft.is_contiguous() and ft.device == top.device:
+                top = ft
+            else:
+                top.copy_(ft)
         g = c["groups"]
-        moe_experts.route(y, w.bias, c["top"], c["wts"], shape.top_k, shape.scaling, g, forced=forced)
-        self.last_top = c["top"]
+        moe_experts.route(y, w.bias, top, c["wts"], shape.top_k, shape.scaling, g, forced=forced)
+        self.last_top = top
         if isinstance(c["cfg13"], moe_experts_tc.TcExpertConfig):
             fp4 = w.fmt == "mxfp4"
             moe_experts_tc.run_w13(c["cfg13"], latent, w.w13[0] if fp4 else w.w13, c["act"], c["wts"], g,
@@ -486,12 +519,11 @@ class MoEBlock:
                                 shape.situ_linear_beta)
             moe_experts.run_w2(c["cfg2"], c["act"], w.w2, c["per_slot"], c["wts"], g)
         # a rank sums its slots before the all-reduce (the sum is linear), so what crosses the link is the
-        # tokens' fp32 latent rows, not the per-slot partials; here the sum runs fused with the norm after the
-        # stand-in (the same launches, in another order)
+        # tokens' fp32 latent rows, not the per-slot partials; here the sum runs fused with the norm, after the
+        # stand-in's spin in the same launch (an all-reduce fused with the norm)
         tokens = c["normed"].shape[0]
-        self.comm._occupy(c["per_slot"], nbytes=tokens * shape.latent * 4)
         moe_experts.sum_norm(c["per_slot"], w.norm, c["normed"], shape.top_k, shape.rms_eps / self.comm.tp ** 2, g,
-                             slices=self.comm.tp)
+                             slices=self.comm.tp, cycles=self.comm.cycles(tokens * shape.latent * 4))
         return c["normed"]
 
     def _shared(self, x):
