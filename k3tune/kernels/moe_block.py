@@ -222,7 +222,8 @@ class MoeOverlap(_BlockOnGpu, KernelFamily):
               **{k: (0, 1) if problem["format"] != "bf16" else (0,) for k in ("tc13_dq", "tc2_dq")},
               # s21-r1: pf 1 made the bf16 experts step 2-24% faster (pf 2 slower from b8 on), MXFP4's 5-13% slower
               **{k: (0, 1) if problem["format"] == "bf16" else (0,) for k in ("tc13_pf", "tc2_pf")},
-              "tc13_ring": (0, 2, 3), "tc2_ring": (0, 2)}
+              # s22-r2/r3: all 35 tensor-core blocks (MXFP4 and bf16 Zipf) chose w2 without a ring
+              "tc13_ring": (0, 2, 3), "tc2_ring": (0,)}
         return tc | {
             "w13_rows": (2, 4, 8),
             "w13_warps": (2, 4, 8),
