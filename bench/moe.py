@@ -96,7 +96,7 @@ def main() -> None:
         for batch in (int(b) for b in args.batches.split(",")):
             for routing in args.routings.split(","):
                 ids = routings.sample(routing, sh.experts, sh.top_k, batch, random.Random(batch))
-                top = torch.tensor(ids, device="cuda")
+                top = torch.tensor(ids, device="cuda", dtype=torch.int32)  # the kernels read it in place
                 touched = len({e for r in ids for e in r})
                 x = torch.randn(batch, sh.hidden, device="cuda").to(torch.bfloat16)
                 row = {"tp": tp, "batch": batch, "routing": routing, "touched": touched}

@@ -53,7 +53,7 @@ def main() -> None:
     layers = [random_weights(sh, args.tp, fmt=args.fmt, device="cuda", seed=i) for i in range(4)]
     for batch in (int(b) for b in args.batches.split(",")):
         ids = routings.sample(args.routing, sh.experts, sh.top_k, batch, random.Random(batch))
-        top = torch.tensor(ids, device="cuda")
+        top = torch.tensor(ids, device="cuda", dtype=torch.int32)  # the kernels read it in place
         x = torch.randn(batch, sh.hidden, device="cuda").to(torch.bfloat16)
         cfgs = [None] + [parse_cfg(c) for c in args.cfgs.split(";") if c]
         runs = ([("served", None)] if args.served else
