@@ -179,6 +179,7 @@ def _check(cfg: ExpertKernelConfig, groups: Groups):
 
 
 SUM_NORM_THREADS = 512
+SPIN_CTAS = 128  # the CTAs of a fused stand-in that spin (fewer than any target GPU's SMs: all in the first wave)
 
 
 def sum_norm(per_slot, norm_weight, out, top_k: int, eps: float, groups: Groups, slices: int = 1, cycles: int = 0,
@@ -253,13 +254,19 @@ def _kernel_classes():
     from cutlass import BFloat16, Float32, Int32, Int64
 
     @cute.jit
-    def spin(cycles: Int64):
-        """Busy-wait ``cycles`` SM clock cycles (torch.cuda._sleep's unit), reading no memory."""
+    def spin_once(cycles: Int64, bidx: Int32, tidx: Int32):
+        """Busy-wait ``cycles`` SM clock cycles (torch.cuda._sleep's unit), reading no memory, in one thread of each
+        of the first SPIN_CTAS CTAs while the CTA's other warps wait at a barrier (they issue nothing): the kernel
+        lasts the spin once, not once a wave of CTAs, and its spinning warps leave the SMs to the kernels running
+        beside it (the shared experts), as a collective on a few SMs would. The first SPIN_CTAS CTAs are in the
+        first wave on any GPU with at least that many SMs."""
         if cycles > 0:
-            t0 = cute.arch.clock64()
-            now = t0
-            while now - t0 < cycles:
-                now = cute.arch.clock64()
+            if bidx < SPIN_CTAS and tidx == 0:
+                t0 = cute.arch.clock64()
+                now = t0
+                while now - t0 < cycles:
+                    now = cute.arch.clock64()
+            cute.arch.sync_threads()
 
     class ExpertGemv:
         def __init__(self, which, rows, warps, unroll, lanes, per, beta=0.0, linear_beta=0.0):
@@ -468,7 +475,7 @@ def _kernel_classes():
             T, K, PER = self.THREADS, self.K, self.per
             tidx, _, _ = cute.arch.thread_idx()
             b, _, _ = cute.arch.block_idx()
-            spin(cycles)  # a fused all-reduce's link time (0: none)
+            spin_once(cycles, b, tidx)  # a fused all-reduce's link time (0: none)
             n = mP.shape[1]  # the latent's width (the output is n / slices wide)
             nv = n // 4
             gP = cute.zipped_divide(mP, (1, 4))
@@ -531,16 +538,17 @@ def _kernel_classes():
 
         @cute.jit
         def __call__(self, mX: cute.Tensor, mOut: cute.Tensor, cycles: Int64, stream: cuda.CUstream):
-            n = mOut.shape[1]
-            self.kernel(mX, mOut, cycles).launch(grid=(mOut.shape[0], (n + self.THREADS - 1) // self.THREADS, 1),
-                                                 block=(self.THREADS, 1, 1), stream=stream)
+            blocks = (mOut.shape[1] + self.THREADS - 1) // self.THREADS
+            self.kernel(mX, mOut, cycles).launch(grid=(mOut.shape[0] * blocks, 1, 1), block=(self.THREADS, 1, 1),
+                                                 stream=stream)
 
         @cute.kernel
         def kernel(self, mX: cute.Tensor, mOut: cute.Tensor, cycles: Int64):
             tidx, _, _ = cute.arch.thread_idx()
-            b, j, _ = cute.arch.block_idx()
-            spin(cycles)
-            i = j * self.THREADS + tidx
+            bidx, _, _ = cute.arch.block_idx()
+            spin_once(cycles, bidx, tidx)
+            blocks = (mOut.shape[1] + self.THREADS - 1) // self.THREADS
+            b, i = bidx // blocks, (bidx % blocks) * self.THREADS + tidx
             if i < mOut.shape[1]:
                 mOut[b, i] = mX[b, i % mX.shape[1]]
 
@@ -555,17 +563,17 @@ def _kernel_classes():
         @cute.jit
         def __call__(self, mX: cute.Tensor, mBase: cute.Tensor, mOut: cute.Tensor, cycles: Int64,
                      stream: cuda.CUstream):
-            n = mOut.shape[1]
-            self.kernel(mX, mBase, mOut, cycles).launch(
-                grid=(mOut.shape[0], (n + self.THREADS - 1) // self.THREADS, 1), block=(self.THREADS, 1, 1),
-                stream=stream)
+            blocks = (mOut.shape[1] + self.THREADS - 1) // self.THREADS
+            self.kernel(mX, mBase, mOut, cycles).launch(grid=(mOut.shape[0] * blocks, 1, 1),
+                                                        block=(self.THREADS, 1, 1), stream=stream)
 
         @cute.kernel
         def kernel(self, mX: cute.Tensor, mBase: cute.Tensor, mOut: cute.Tensor, cycles: Int64):
             tidx, _, _ = cute.arch.thread_idx()
-            b, j, _ = cute.arch.block_idx()
-            spin(cycles)
-            i = j * self.THREADS + tidx
+            bidx, _, _ = cute.arch.block_idx()
+            spin_once(cycles, bidx, tidx)
+            blocks = (mOut.shape[1] + self.THREADS - 1) // self.THREADS
+            b, i = bidx // blocks, (bidx % blocks) * self.THREADS + tidx
             if i < mOut.shape[1]:
                 mOut[b, i] = (mBase[b, i].to(Float32) + Float32(self.tp) * mX[b, i].to(Float32)).to(BFloat16)
 
