@@ -79,8 +79,14 @@ def main() -> None:
     from k3tune.runtime.partition import shared_partition
 
     sh = BlockShape.from_config(configs_dir() / "kimi_k3_config.json")
-    sel = Selector.load(args.db, model=models.load(configs_dir() / args.model), routing="uniform")
-    served_sel = {r: Selector.load(args.db, model=models.load(configs_dir() / args.model), routing=r)
+    model = models.load(configs_dir() / args.model)
+    if args.served and {model.expert_weight_format} != set(args.fmts.split(",")):
+        # the moe.block winners are keyed by the model's expert format: other weights would run that format's knobs
+        raise SystemExit(f"error: --served looks winners up under {args.model}, whose experts are "
+                         f"{model.expert_weight_format}, but --fmts is {args.fmts}: pass --fmts "
+                         f"{model.expert_weight_format} or a --model with {args.fmts} experts")
+    sel = Selector.load(args.db, model=model, routing="uniform")
+    served_sel = {r: Selector.load(args.db, model=model, routing=r)
                   if args.served_routing == "row" else sel for r in args.routings.split(",")}
     sms_list = [int(v) for v in args.shared_sms.split(",")]
     pf_list = [int(v) for v in args.prefetch_mib.split(",")]
