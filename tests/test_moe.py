@@ -221,6 +221,9 @@ def test_serve_takes_the_block_choice_and_its_knobs_from_the_selector(tmp_path):
     blk = MoEBlock.serve(random_weights(small16, 16), sel, batch=8)
     assert blk.ran["block"].startswith(choice.family) and blk.ran["block"].endswith("(simulated)")
     assert blk.path == ("stock" if choice.family == "moe.stock" else "tuned")
+    mx = Selector.load(str(db), simulated="h200", spec=sp, model=models.load())  # K3 as published: MXFP4 experts
+    with pytest.raises(ConfigError, match="selector's model has mxfp4 experts, these weights are bf16"):
+        MoEBlock.serve(random_weights(small16, 16), mx, batch=8)  # would run the MXFP4 winners' knobs
 
 
 def test_tensor_core_expert_kernels_refuse_what_they_cannot_run():

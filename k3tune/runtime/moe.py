@@ -414,7 +414,12 @@ class MoEBlock:
               comm: EmulatedComm | None = None) -> MoEBlock:
         """The block as serving runs it: the selector's ``moe.block`` choice decides the path and every knob
         (expert-kernel tiles, shared-expert SM partition, L2 prefetch); its dense GEMMs are the selector's
-        too. ``ran['block']`` says which choice was served and from where."""
+        too. ``ran['block']`` says which choice was served and from where. The selector's model must have these
+        weights' expert format: its moe.block winners are keyed by it (another format's knobs would run silently)."""
+        tuned_for = getattr(getattr(selector, "model", None), "expert_weight_format", weights.fmt)
+        if tuned_for != weights.fmt:
+            raise ConfigError(f"the selector's model has {tuned_for} experts, these weights are {weights.fmt}: its "
+                              f"moe.block winners were tuned for {tuned_for}; load it with a {weights.fmt}-expert model")
         choice = selector.lookup("moe.block", weights.tp, batch, draft)
         p = dict(choice.params)
         tc_ok = weights.fmt == "bf16" or dict(choice.params).get("experts_kernel") == "tensor_core"
