@@ -528,6 +528,19 @@ def _kernel_classes():
                         acc = acc + row[r * w + q]
                     mOut[b, q] = acc.to(BFloat16)
 
+    def rows_grid(mOut, threads):
+        """One CTA per ``threads`` elements of each row of ``mOut`` (a flat grid: any CTA past the first
+        SPIN_CTAS skips the spin)."""
+        return (mOut.shape[0] * ((mOut.shape[1] + threads - 1) // threads), 1, 1)
+
+    def spun_element(mOut, cycles, threads):
+        """In a ``rows_grid`` kernel: the spin (``spin_once``), then this thread's (row, column) of ``mOut``."""
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        spin_once(cycles, bidx, tidx)
+        blocks = (mOut.shape[1] + threads - 1) // threads
+        return bidx // blocks, (bidx % blocks) * threads + tidx
+
     class Gather:
         """out[b, r w + j] = x[b, j] for r < tp after ``cycles`` of spin: an all-gather's stand-in that writes
         its output, as the collective kernel would (one launch, not a spin and a concatenation)."""
@@ -538,17 +551,12 @@ def _kernel_classes():
 
         @cute.jit
         def __call__(self, mX: cute.Tensor, mOut: cute.Tensor, cycles: Int64, stream: cuda.CUstream):
-            blocks = (mOut.shape[1] + self.THREADS - 1) // self.THREADS
-            self.kernel(mX, mOut, cycles).launch(grid=(mOut.shape[0] * blocks, 1, 1), block=(self.THREADS, 1, 1),
+            self.kernel(mX, mOut, cycles).launch(grid=rows_grid(mOut, self.THREADS), block=(self.THREADS, 1, 1),
                                                  stream=stream)
 
         @cute.kernel
         def kernel(self, mX: cute.Tensor, mOut: cute.Tensor, cycles: Int64):
-            tidx, _, _ = cute.arch.thread_idx()
-            bidx, _, _ = cute.arch.block_idx()
-            spin_once(cycles, bidx, tidx)
-            blocks = (mOut.shape[1] + self.THREADS - 1) // self.THREADS
-            b, i = bidx // blocks, (bidx % blocks) * self.THREADS + tidx
+            b, i = spun_element(mOut, cycles, self.THREADS)
             if i < mOut.shape[1]:
                 mOut[b, i] = mX[b, i % mX.shape[1]]
 
@@ -563,17 +571,12 @@ def _kernel_classes():
         @cute.jit
         def __call__(self, mX: cute.Tensor, mBase: cute.Tensor, mOut: cute.Tensor, cycles: Int64,
                      stream: cuda.CUstream):
-            blocks = (mOut.shape[1] + self.THREADS - 1) // self.THREADS
-            self.kernel(mX, mBase, mOut, cycles).launch(grid=(mOut.shape[0] * blocks, 1, 1),
+            self.kernel(mX, mBase, mOut, cycles).launch(grid=rows_grid(mOut, self.THREADS),
                                                         block=(self.THREADS, 1, 1), stream=stream)
 
         @cute.kernel
         def kernel(self, mX: cute.Tensor, mBase: cute.Tensor, mOut: cute.Tensor, cycles: Int64):
-            tidx, _, _ = cute.arch.thread_idx()
-            bidx, _, _ = cute.arch.block_idx()
-            spin_once(cycles, bidx, tidx)
-            blocks = (mOut.shape[1] + self.THREADS - 1) // self.THREADS
-            b, i = bidx // blocks, (bidx % blocks) * self.THREADS + tidx
+            b, i = spun_element(mOut, cycles, self.THREADS)
             if i < mOut.shape[1]:
                 mOut[b, i] = (mBase[b, i].to(Float32) + Float32(self.tp) * mX[b, i].to(Float32)).to(BFloat16)
 
