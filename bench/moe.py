@@ -3,11 +3,13 @@
     python bench/moe.py [--tps 8,16] [--batches 1,2,4,8,16,32,64] [--routings uniform,zipf:1.2] [--fmts bf16]
                         [--shared-sms 0,16,64] [--prefetch-mib 0,16]
 
-Tuned variants: every (shared-expert SMs, prefetch MiB) pair; shared SMs 0 runs the shared experts serially
+Tuned variants: every (shared-expert SMs, prefetch MiB) pair, and with --pdl 0,1 each also with the block's own
+kernels launched as programmatic dependents (``_pdl1``); shared SMs 0 runs the shared experts serially
 after the routed experts, a multiple of 8 gives them a green-context partition of that many SMs and the
 routed experts the rest (64 of the H200's 132 is the even split); prefetch 0 is off. With --served: the
 database's choice (whose ``routed_on`` may also leave the routed experts every SM), and the same knobs
-serial (served_serial) and on the even split (served_even).
+serial (served_serial) and on the even split (served_even); with --served-pdl, the same knobs with PDL forced
+off and on (served_pdl0, served_pdl1).
 
 Each path runs in a CUDA graph over ``--layers`` layers with distinct weights (decode reads them from HBM),
 after a warm-up; medians and IQRs of the per-layer time over ``--samples`` replays. Routing is imposed
@@ -61,6 +63,8 @@ def main() -> None:
     ap.add_argument("--fmts", default="bf16", help="tuned-path expert formats (the stock path is bf16)")
     ap.add_argument("--shared-sms", default="0,16,64")
     ap.add_argument("--prefetch-mib", default="0,16")
+    ap.add_argument("--pdl", default="0", help="tuned variants with the block's own kernels launched as programmatic "
+                    "dependents (1), without (0), or both (0,1: a _pdl1 variant beside each)")
     ap.add_argument("--link", default="gb300", help="collective stand-ins timed by this hardware's NVLink "
                     "(a name from k3tune.plan.hardware), or 'none' for no link time")
     ap.add_argument("--layers", type=int, default=4)
@@ -75,6 +79,8 @@ def main() -> None:
                          "blocks tuned for it where the database has them, else uniform's, labelled so)")
     ap.add_argument("--served", action="store_true", help="also run the block as served: every knob from the "
                     "database's moe.block winner (MoEBlock.serve)")
+    ap.add_argument("--served-pdl", action="store_true", help="with --served, also the served knobs with the block's "
+                    "own kernels launched as programmatic dependents (pdl 1) and without (pdl 0), side by side")
     args = ap.parse_args()
     from k3tune.runtime.partition import shared_partition
 
@@ -90,6 +96,7 @@ def main() -> None:
                   if args.served_routing == "row" else sel for r in args.routings.split(",")}
     sms_list = [int(v) for v in args.shared_sms.split(",")]
     pf_list = [int(v) for v in args.prefetch_mib.split(",")]
+    pdl_list = [int(v) for v in args.pdl.split(",")]
     splits = {n: shared_partition(n) for n in sms_list if n}  # shared experts on n SMs, routed on the rest
     even_sms = torch.cuda.get_device_properties(0).multi_processor_count // 2 // 8 * 8  # 64 of an H200's 132
     bw = copy_bandwidth()
@@ -106,23 +113,26 @@ def main() -> None:
                 touched = len({e for r in ids for e in r})
                 x = torch.randn(batch, sh.hidden, device="cuda").to(torch.bfloat16)
                 row = {"tp": tp, "batch": batch, "routing": routing, "touched": touched}
-                variants = [("stock", "bf16", None, 0)] + [("tuned", f, n, p) for f in args.fmts.split(",")
-                                                          for n in sms_list for p in pf_list]
+                variants = [("stock", "bf16", None, 0, 0)] + [("tuned", f, n, p, d) for f in args.fmts.split(",")
+                                                             for n in sms_list for p in pf_list for d in pdl_list]
                 # served: the database's block choice; served_serial / served_even: the same knobs with the
                 # shared experts serial (0 SMs) or on an even split (the SM-split bar compares against both)
-                variants += [(v, f, None, 0) for f in args.fmts.split(",") if args.served
+                variants += [(v, f, None, 0, 0) for f in args.fmts.split(",") if args.served
                              for v in ("served", "served_serial", "served_even")]
+                variants += [(v, f, None, 0, 0) for f in args.fmts.split(",") if args.served and args.served_pdl
+                             for v in ("served_pdl0", "served_pdl1")]
                 if args.served and args.served_routing == "row" and routing != "uniform":  # both ways, one run
-                    variants += [("uniformtuned", f, None, 0) for f in args.fmts.split(",")]
-                for path, fmt, sms, pf in variants:
-                    name = f"{path}_{fmt}" + ("" if sms is None else f"_sms{sms}_pf{pf}")
+                    variants += [("uniformtuned", f, None, 0, 0) for f in args.fmts.split(",")]
+                for path, fmt, sms, pf, pdl in variants:
+                    name = f"{path}_{fmt}" + ("" if sms is None else f"_sms{sms}_pf{pf}") + ("_pdl1" if pdl else "")
                     comm = EmulatedComm(tp) if args.link == "none" else EmulatedComm.for_target(args.link, tp)
                     try:
                         if path == "uniformtuned":  # the blocks tuned for uniform routing, served on this row's
                             blocks = [MoEBlock.serve(w, sel, batch, comm=comm) for w in layers[fmt]]
                         elif path.startswith("served_"):
                             ssel = served_sel[routing]
-                            knobs = served_knobs(ssel, tp, batch, 0 if path == "served_serial" else even_sms)
+                            knobs = (served_knobs(ssel, tp, batch, pdl=int(path[-1])) if path.startswith("served_pdl")
+                                     else served_knobs(ssel, tp, batch, 0 if path == "served_serial" else even_sms))
                             blocks = [MoEBlock.build(w, "tuned", batch=batch, selector=ssel, comm=comm, **knobs)
                                       for w in layers[fmt]]
                         else:
@@ -130,7 +140,7 @@ def main() -> None:
                                       MoEBlock.build(w, path, batch=batch, selector=sel, prefetch_mib=pf,
                                                      shared_stream=splits[sms].shared.stream if sms else None,
                                                      routed_stream=splits[sms].rest.stream if sms else None,
-                                                     comm=comm)
+                                                     comm=comm, pdl=pdl)
                                       for w in layers[fmt]]
                         for b in blocks:
                             b.force_top = top
@@ -168,9 +178,10 @@ def main() -> None:
                                           "rows": rows}, indent=1))
 
 
-def served_knobs(sel, tp: int, batch: int, shared_sms: int) -> dict:
-    """The served moe.overlap choice's executor knobs with the SM split replaced: 0 = serial, else the shared
-    experts on ``shared_sms`` SMs and the routed experts on the rest (an even split at half the SMs)."""
+def served_knobs(sel, tp: int, batch: int, shared_sms: int | None = None, pdl: int | None = None) -> dict:
+    """The served moe.overlap choice's executor knobs with the SM split replaced (``shared_sms``: 0 = serial, else
+    the shared experts on that many SMs and the routed experts on the rest, an even split at half the SMs) or
+    ``pdl`` replaced; None keeps the choice's own."""
     import dataclasses
 
     from k3tune.errors import ConfigError
@@ -179,15 +190,19 @@ def served_knobs(sel, tp: int, batch: int, shared_sms: int) -> dict:
     choice = sel.lookup("moe.block", tp, batch)
     if choice.family != "moe.overlap":
         raise ConfigError(f"the served block is {choice.family} ({choice.source}), not moe.overlap")
-    return family("moe.overlap").block_knobs(dataclasses.replace(choice.config(), shared_sms=shared_sms,
-                                                                  routed_on="rest" if shared_sms else "all"))
+    cfg = choice.config()
+    if shared_sms is not None:
+        cfg = dataclasses.replace(cfg, shared_sms=shared_sms, routed_on="rest" if shared_sms else "all")
+    if pdl is not None:
+        cfg = dataclasses.replace(cfg, pdl=pdl)
+    return family("moe.overlap").block_knobs(cfg)
 
 
 def summarize(rows: list[dict], sms_list: list[int], pf_list: list[int], fmt: str) -> dict:
     """Per configuration: speedup of the best tuned variant over stock; whether the best SM split (other
     than 0 = serial and 64 = even) beats both; the prefetch gain (best prefetch > 0 vs off, same split)."""
-    def us(row, sms, pf):
-        v = row.get(f"tuned_{fmt}_sms{sms}_pf{pf}", {})
+    def us(row, sms, pf, pdl=0):
+        v = row.get(f"tuned_{fmt}_sms{sms}_pf{pf}" + ("_pdl1" if pdl else ""), {})
         return v.get("us")
 
     out = []
@@ -212,6 +227,13 @@ def summarize(rows: list[dict], sms_list: list[int], pf_list: list[int], fmt: st
                                                                  f"served_even_{fmt}"),
                     "split_beats_serial_and_even": (bool(split) and serial is not None and even is not None
                                                     and min(split) < min(serial, even)),
+                    # the served knobs with the block's kernels as programmatic dependents against without
+                    "pdl_gain": (r[f"served_pdl0_{fmt}"]["us"] / r[f"served_pdl1_{fmt}"]["us"] - 1
+                                 if "us" in r.get(f"served_pdl0_{fmt}", {}) and "us" in r.get(f"served_pdl1_{fmt}", {})
+                                 else None),
+                    "pdl_beats_off": _beats(r, f"served_pdl1_{fmt}", f"served_pdl0_{fmt}"),
+                    "tuned_pdl_gain": {f"sms{n}_pf{p}": us(r, n, p) / us(r, n, p, 1) - 1 for n in sms_list
+                                       for p in pf_list if us(r, n, p) and us(r, n, p, 1)},
                     "prefetch_gain": gains})
     n = len(out)
     served = [o["served_split_beats_serial_and_even"] for o in out if o["served_split_beats_serial_and_even"] is not None]

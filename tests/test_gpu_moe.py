@@ -28,6 +28,21 @@ def _check(blk, w, tokens, seed=0):
     return x, out
 
 
+def _captured(blk, x):
+    """(graph, output) of the block captured in a CUDA graph, after a warm-up on the capture stream."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        blk(x)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = blk(x)
+    return graph, out
+
+
 @pytest.mark.parametrize("tp,batch,fmt", [(16, 1, "bf16"), (16, 8, "mxfp4"), (8, 4, "bf16"), (8, 64, "bf16")])
 def test_tuned_block_runs_measured_kernels_and_matches(tp, batch, fmt):
     from k3tune.runtime import Selector
@@ -77,14 +92,7 @@ def test_tuned_block_captures_in_a_cuda_graph():
     w = random_weights(K3, 16, device="cuda", seed=3)
     blk = MoEBlock.build(w, "tuned", batch=4, selector=Selector.load())
     x, eager = _check(blk, w, 4)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        blk(x)  # warm-up on the capture stream
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = blk(x)
+    graph, out = _captured(blk, x)
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
@@ -123,14 +131,7 @@ def test_a_real_split_shared_on_16_sms_routed_on_the_rest_matches_and_captures()
                              routed_stream=split.rest.stream)
         assert blk.ran["routed"] == f"stream (green context, {total - 16} SMs)"
         x, eager = _check(blk, w, 8)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            blk(x)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = blk(x)
+        graph, out = _captured(blk, x)
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, eager)
@@ -335,3 +336,51 @@ def test_the_tuned_blocks_collectives_run_as_fused_stand_ins(monkeypatch):
     names = [n for n, _ in ran]
     assert names == ["gather_rows", "sum_norm", "reduce_add_rows"], ran
     assert all(c and c > 0 for _, c in ran), ran  # every stand-in spins (the target link has time)
+
+
+@pytest.mark.parametrize("fmt,kernels,batch", [("bf16", "cuda_core", 1), ("bf16", "tensor_core", 8),
+                                               ("mxfp4", "tensor_core", 4)])
+def test_a_block_with_pdl_launches_its_kernels_as_dependents_matches_and_captures(fmt, kernels, batch, monkeypatch):
+    """pdl = 1: every kernel the block launches itself gets pdl=True (route, both expert kernels, the norm with the
+    routed all-reduce's spin, the shared SiTU, both fused stand-ins), on a real split with stand-ins timed by a
+    link; it matches the reference eagerly, and a CUDA graph of it replays to the same output (poisoned first)."""
+    import torch
+
+    from k3tune.kernels import moe_experts, moe_experts_tc
+    from k3tune.runtime import Selector
+    from k3tune.runtime.moe import EmulatedComm
+    from k3tune.runtime.partition import green_split
+
+    calls = []
+    for mod, names in ((moe_experts, ("route", "run_w13", "run_w2", "sum_norm", "situ_rows", "gather_rows",
+                                      "reduce_add_rows")), (moe_experts_tc, ("run_w13", "run_w2"))):
+        for name in names:
+            real = getattr(mod, name)
+
+            def spy(*a, _real=real, _name=f"{mod.__name__.rsplit('.', 1)[-1]}.{name}", **k):
+                calls.append((_name, k.get("pdl")))
+                return _real(*a, **k)
+
+            monkeypatch.setattr(mod, name, spy)
+    cfg = (moe_experts_tc.default_config(batch) if kernels == "tensor_core" else moe_experts.default_config(batch))
+    split = green_split(16)
+    try:
+        w = random_weights(K3, 16, fmt=fmt, device="cuda", seed=23 + batch)
+        blk = MoEBlock.build(w, "tuned", batch=batch, selector=Selector.load(), experts_cfg=cfg,
+                             shared_stream=split.shared.stream, routed_stream=split.rest.stream,
+                             comm=EmulatedComm.for_target("gb300", 16), pdl=1)
+        assert blk.ran["pdl"] != "off", blk.ran
+        x, eager = _check(blk, w, batch)
+        experts = "moe_experts_tc" if kernels == "tensor_core" else "moe_experts"
+        want = {"moe_experts.route", f"{experts}.run_w13", f"{experts}.run_w2", "moe_experts.sum_norm",
+                "moe_experts.situ_rows", "moe_experts.gather_rows", "moe_experts.reduce_add_rows"}
+        assert {n for n, _ in calls} == want, calls
+        assert all(p is True for _, p in calls), calls
+        graph, out = _captured(blk, x)
+        for _ in range(2):
+            out.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, eager)
+    finally:
+        split.close()

@@ -69,6 +69,44 @@ def test_moe_expert_kernels_compile(arch):
             assert moe_kernel(kind, knobs, arch) is not None, (kind, knobs)
 
 
+_PDL_PTX = """
+import os, sys, warnings
+warnings.simplefilter("ignore", DeprecationWarning)
+from k3tune.kernels import moe_experts, moe_experts_tc
+for kind, knobs in [("w13", (4, 4, 4, 32, 1, 4.0, 25.0)), ("w2", (4, 4, 1, 8, 2)), ("route", (896, 16, 1.0, True, 4)),
+                    ("sum_norm", (16, 1e-5, 2, 16)), ("situ", (4.0, 25.0)), ("gather", (16,)), ("reduce_add", (8,))]:
+    moe_experts.compiled(kind, knobs, "sm_90a", int(sys.argv[1]))
+for kind, knobs, fmt in [("w13", (1, 2, 2, 1, 2, 4.0, 25.0, 1, 1, 0, 0, 2, 0, 0), "mxfp4"),
+                         ("w2", (1, 4, 1, 1, 2, 0.0, 0.0, 1, 4, 1, 0, 0, 1, 1), "mxfp4"),
+                         ("w13", (1, 2, 2, 1, 2, 4.0, 25.0, 1, 1, 0, 0, 0, 0, 0), "bf16")]:
+    moe_experts_tc.compiled(kind, knobs, fmt, "sm_90a", int(sys.argv[1]))
+"""
+
+
+@pytest.mark.parametrize("pdl", [1, 0])
+def test_block_kernels_wait_for_the_grid_before_only_with_pdl(tmp_path, pdl):
+    """With pdl = 1 every kernel the MoE block launches itself (route, both expert kernels of each kind, the norm,
+    SiTU, the fused stand-ins) waits for the grid before it (griddepcontrol.wait) and then lets the next launch;
+    with pdl = 0 neither instruction is emitted. Checked in the PTX of a fresh process (the DSL reads its dump
+    settings at start-up; the disk cache off, so nothing is loaded instead of compiled)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "CUTE_DSL_KEEP": "ptx", "CUTE_DSL_DUMP_DIR": str(tmp_path), "K3TUNE_KERNEL_CACHE": "off",
+           "CUTE_DSL_ARCH": "sm_90a"}
+    out = subprocess.run([sys.executable, "-c", _PDL_PTX, str(pdl)], capture_output=True, text=True, timeout=900,
+                         env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    ptx = {f.name: f.read_text() for f in tmp_path.glob("*.ptx")}
+    kernels = ("ExpertGemv", "Route", "SumNorm", "Situ", "Gather", "ReduceAdd", "TcExpertGemm")
+    for k in kernels:
+        assert any(k in name for name in ptx), f"no PTX for {k}: {sorted(ptx)}"
+    for name, text in ptx.items():
+        for op in ("griddepcontrol.wait", "griddepcontrol.launch_dependents"):
+            assert (op in text) == bool(pdl), (name, op, pdl)
+
+
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 def test_l2_prefetch_compiles(arch):
     from k3tune.kernels.l2_prefetch import compiled as prefetch_kernel

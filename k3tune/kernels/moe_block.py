@@ -203,6 +203,9 @@ class MoeOverlapConfig(KernelConfig):
     tc2_pf: int = 0
     tc13_ring: int = 0  # stages of the shared-memory weight ring (s21-r8, MXFP4 w13 with 2: experts step 2-10% faster)
     tc2_ring: int = 0
+    # 1: the block's own kernels (route, experts, SiTU, norm, the collectives' stand-ins) launch as programmatic
+    # dependents, each launch overlapping the kernel before it on its stream (the dense GEMMs have their own pdl)
+    pdl: int = 0
 
 
 class MoeOverlap(_BlockOnGpu, KernelFamily):
@@ -212,7 +215,7 @@ class MoeOverlap(_BlockOnGpu, KernelFamily):
     backends = frozenset({"simulated", "gpu"})
     priority = 30
     path = "tuned"
-    off = {"prefetch_mib": 0}  # a prefetch size is recorded only where it pays beyond the noise
+    off = {"prefetch_mib": 0, "pdl": 0}  # a prefetch size (or PDL) is recorded only where it pays beyond the noise
 
     def space(self, problem: Problem) -> dict[str, tuple]:
         tc = {"experts_kernel": ("cuda_core", "tensor_core") if problem["format"] == "bf16" else ("tensor_core",),
@@ -237,6 +240,7 @@ class MoeOverlap(_BlockOnGpu, KernelFamily):
             # the routed experts on every SM beside the confined shared experts, or on the SMs they leave
             "routed_on": ("all", "rest"),
             "prefetch_mib": (0, 4, 8, 16, 32),
+            "pdl": (0, 1),
         }
 
     _TC_KNOBS = ("tc13_mt", "tc13_wn", "tc13_wk", "tc13_unroll", "tc2_mt", "tc2_wn", "tc2_wk", "tc2_unroll",
@@ -303,7 +307,7 @@ class MoeOverlap(_BlockOnGpu, KernelFamily):
 
             shape = block_shape(problem)
             moe_experts_tc.prebuild(*self._tc_cfgs(cfg), str(problem["format"]), problem["latent"], problem["inter"],
-                                    shape.situ_beta, shape.situ_linear_beta)
+                                    shape.situ_beta, shape.situ_linear_beta, cfg.pdl)
 
     def block_knobs(self, cfg: MoeOverlapConfig) -> dict:
         from k3tune.kernels.moe_experts import ExpertKernelConfig
@@ -313,7 +317,7 @@ class MoeOverlap(_BlockOnGpu, KernelFamily):
                     ExpertKernelConfig(cfg.w2_rows, cfg.w2_warps, cfg.w2_unroll, cfg.w2_lanes), cfg.group))
         shared, routed = _partition(cfg.shared_sms, cfg.routed_on == "rest") if cfg.shared_sms else (None, None)
         return {"experts_cfg": experts, "shared_stream": shared, "routed_stream": routed,
-                "prefetch_mib": cfg.prefetch_mib}
+                "prefetch_mib": cfg.prefetch_mib, "pdl": cfg.pdl}
 
     def simulate_us(self, problem: Problem, cfg: MoeOverlapConfig, hw, roofline_us) -> float:
         m, tp, hid, lat = problem["M"], problem["tp"], problem["hidden"], problem["latent"]

@@ -16,6 +16,9 @@ group counters, so the next step (or graph replay) starts from zero.
 ``gather_rows``, ``reduce_add_rows``: the emulated collectives' stand-ins (``k3tune.runtime.moe.EmulatedComm``) as
 one launch each, spin and output together, as a fused collective kernel writes its own output; ``sum_norm`` takes
 the routed all-reduce's spin the same way.
+Every kernel here takes ``pdl``: launched as a programmatic dependent, each CTA waits for the kernel before it
+(``griddepcontrol.wait``) before reading anything and then lets the next one launch, so a chain of them overlaps
+each launch with the previous kernel's tail (the block's ``pdl`` knob; pdl = 0 emits neither instruction).
 
 Grouping by expert matters once tokens share experts: at batch 64 with skewed routing ~280 experts serve
 1024 slots, and a kernel per (token, choice) would read each of them ~3.6 times.
@@ -26,7 +29,7 @@ load and its use: the K tail and missing tokens are masked arithmetically / by c
 reduce with shuffles, warps through shared memory.
 
 Status: compiled on the CPU for sm_90a and sm_100a (tests/test_kernel_compile.py); numerics checked on a GPU
-by tests/test_gpu_moe.py.
+by tests/test_gpu_moe.py (with pdl = 1: written in session 24, not yet run on a GPU).
 """
 
 import functools
@@ -123,21 +126,23 @@ def _fake_args(kind: str, arch: str):
 
 
 @functools.cache
-def compiled(kind: str, knobs: tuple, arch: str):
-    """One compile per kernel kind, knob tuple and arch; batch, widths and expert counts are dynamic.
+def compiled(kind: str, knobs: tuple, arch: str, pdl: int = 0):
+    """One compile per kernel kind, knob tuple, arch and ``pdl``; batch, widths and expert counts are dynamic.
     knobs: w13 (rows, warps, unroll, lanes, per, beta, linear_beta); w2 (rows, warps, unroll, lanes, per); route (experts,
-    top_k, scaling, forced, per); sum_norm (top_k, eps, vectors per thread, slices); situ (beta, linear_beta). Never
-    call inside a capture."""
+    top_k, scaling, forced, per); sum_norm (top_k, eps, vectors per thread, slices); situ (beta, linear_beta); gather,
+    reduce_add (tp). ``pdl`` = 1: launched as a programmatic dependent (see ``Pdl`` in ``_kernel_classes``). Pass it
+    positionally (``compile_cache.install`` keys on positional arguments). Never call inside a capture."""
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream
 
     classes = _kernel_classes()
     kern = classes[kind](*knobs)
+    kern.pdl = bool(pdl)
     return cute.compile(kern, *_fake_args(kind, arch), make_fake_stream(), options=f"--gpu-arch {arch}")
 
 
 def route(scores_and_latent, bias, top, weights, top_k: int, scaling: float, groups: Groups,
-          forced: bool = False, stream=None):
+          forced: bool = False, stream=None, pdl: bool = False):
     """top [B, k] int32, weights [B, k] fp32 from the router scores (the first len(bias) columns), and the
     slots grouped by expert into ``groups`` (which must be reset: fresh, or after ``sum_norm``).
     ``forced``: ``top`` already holds the experts (an imposed routing, for measurement); only the weights
@@ -146,24 +151,24 @@ def route(scores_and_latent, bias, top, weights, top_k: int, scaling: float, gro
 
     if not 0 < top_k <= 32:
         raise ConfigError(f"the route kernel keeps one choice per lane of a warp: top_k {top_k} is not in 1..32")
-    fn = compiled("route", (bias.shape[0], top_k, float(scaling), forced, groups.per), current_arch())
+    fn = compiled("route", (bias.shape[0], top_k, float(scaling), forced, groups.per), current_arch(), int(pdl))
     fn(_t(scores_and_latent, 2), _t(bias, 4), _t(top, 4), _t(weights, 4), *_groups(groups), _stream(stream))
 
 
 def run_w13(cfg: ExpertKernelConfig, latent, w13, act, weights, groups: Groups, beta: float, linear_beta: float,
-            stream=None):
+            stream=None, pdl: bool = False):
     """act[slot, :I] = situ(latent[token] . gate rows, latent[token] . up rows) for slot = token x k + choice,
     over the work items of ``groups``."""
     _check(cfg, groups)
     fn = compiled("w13", (cfg.rows, cfg.warps, cfg.unroll, cfg.lanes, groups.per, float(beta), float(linear_beta)),
-                  current_arch())
+                  current_arch(), int(pdl))
     fn(_t(latent, 16), _t(w13, 16), _t(act, 2), _t(weights, 4), *_groups(groups), _stream(stream))
 
 
-def run_w2(cfg: ExpertKernelConfig, act, w2, out, weights, groups: Groups, stream=None):
+def run_w2(cfg: ExpertKernelConfig, act, w2, out, weights, groups: Groups, stream=None, pdl: bool = False):
     """out[slot, :L] = weight[slot] * act[slot] . w2 rows (fp32), over the work items of ``groups``."""
     _check(cfg, groups)
-    fn = compiled("w2", (cfg.rows, cfg.warps, cfg.unroll, cfg.lanes, groups.per), current_arch())
+    fn = compiled("w2", (cfg.rows, cfg.warps, cfg.unroll, cfg.lanes, groups.per), current_arch(), int(pdl))
     fn(_t(act, 16), _t(w2, 16), _t(out, 4), _t(weights, 4), *_groups(groups), _stream(stream))
 
 
@@ -183,7 +188,7 @@ SPIN_CTAS = 128  # the CTAs of a fused stand-in that spin (fewer than any target
 
 
 def sum_norm(per_slot, norm_weight, out, top_k: int, eps: float, groups: Groups, slices: int = 1, cycles: int = 0,
-             stream=None):
+             stream=None, pdl: bool = False):
     """n[b] = RMSNorm(sum_j per_slot[b k + j]) x norm_weight; out[b] = the sum of n[b]'s ``slices`` equal
     slices (bf16, width / slices: what a row-parallel projection over ``slices`` emulated ranks multiplies;
     1: n itself); resets ``groups`` for the next step. RMSNorm(c x) = x / sqrt(mean(x^2) + eps / c^2): a
@@ -197,35 +202,35 @@ def sum_norm(per_slot, norm_weight, out, top_k: int, eps: float, groups: Groups,
         raise ConfigError(f"sum_norm: width {n} must be a multiple of 4 and of {slices} slices, out {out.shape[1]}"
                           f" wide")
     per = -(-n // (4 * SUM_NORM_THREADS))
-    fn = compiled("sum_norm", (top_k, float(eps), per, slices), current_arch())
+    fn = compiled("sum_norm", (top_k, float(eps), per, slices), current_arch(), int(pdl))
     fn(_t(per_slot, 16), _t(norm_weight, 2), _t(out, 2), _t(groups.counts, 4), int(cycles), _stream(stream))
 
 
-def gather_rows(x, out, tp: int, cycles: int = 0, stream=None):
+def gather_rows(x, out, tp: int, cycles: int = 0, stream=None, pdl: bool = False):
     """out[b] = x[b] repeated ``tp`` times (bf16 [B, tp w] from [B, w]) after ``cycles`` SM cycles of spin: an
     emulated all-gather's stand-in and its output in one launch."""
     from k3tune.errors import ConfigError
 
     if out.shape != (x.shape[0], tp * x.shape[1]):
         raise ConfigError(f"gather_rows: out {list(out.shape)} is not [{x.shape[0]}, {tp} x {x.shape[1]}]")
-    fn = compiled("gather", (tp,), current_arch())
+    fn = compiled("gather", (tp,), current_arch(), int(pdl))
     fn(_t(x, 2), _t(out, 2), int(cycles), _stream(stream))
 
 
-def reduce_add_rows(x, base, out, tp: int, cycles: int = 0, stream=None):
+def reduce_add_rows(x, base, out, tp: int, cycles: int = 0, stream=None, pdl: bool = False):
     """out = base + tp x (bf16, fp32 math) after ``cycles`` SM cycles of spin: an emulated all-reduce (every rank
     holding x) fused with the residual add, in one launch."""
     from k3tune.errors import ConfigError
 
     if not x.shape == base.shape == out.shape:
         raise ConfigError(f"reduce_add_rows: x {list(x.shape)}, base {list(base.shape)}, out {list(out.shape)} differ")
-    fn = compiled("reduce_add", (tp,), current_arch())
+    fn = compiled("reduce_add", (tp,), current_arch(), int(pdl))
     fn(_t(x, 2), _t(base, 2), _t(out, 2), int(cycles), _stream(stream))
 
 
-def situ_rows(h, out, beta: float, linear_beta: float, stream=None):
+def situ_rows(h, out, beta: float, linear_beta: float, stream=None, pdl: bool = False):
     """out[b, i] = situ(h[b, i], h[b, n + i]) for h [B, 2n] (gate columns, then up columns), bf16."""
-    fn = compiled("situ", (float(beta), float(linear_beta)), current_arch())
+    fn = compiled("situ", (float(beta), float(linear_beta)), current_arch(), int(pdl))
     fn(_t(h, 2), _t(out, 2), _stream(stream))
 
 
@@ -268,7 +273,20 @@ def _kernel_classes():
                     now = cute.arch.clock64()
             cute.arch.sync_threads()
 
-    class ExpertGemv:
+    class Pdl:
+        """``pdl`` (set by ``compiled``): the kernel is launched as a programmatic dependent of the kernel before it on
+        its stream. Each CTA first waits for that grid to complete (its outputs visible), reads nothing before, then
+        lets the next kernel launch: the next kernel's launch and start overlap this one, and its CTAs wait the same
+        way, so every kernel of the chain still sees the whole of its predecessor's output."""
+        pdl = False
+
+        @cute.jit
+        def pdl_start(self):
+            if cutlass.const_expr(self.pdl):
+                cute.arch.griddepcontrol_wait()
+                cute.arch.griddepcontrol_launch_dependents()
+
+    class ExpertGemv(Pdl):
         def __init__(self, which, rows, warps, unroll, lanes, per, beta=0.0, linear_beta=0.0):
             self.w13 = which == "w13"
             self.rows, self.warps, self.unroll, self.lanes, self.per = rows, warps, unroll, lanes, per
@@ -288,11 +306,12 @@ def _kernel_classes():
             # at most one item per slot; past ~32k CTAs, CTAs loop over items instead of idling
             ctas = cutlass.min(mItems.shape[0], cutlass.max(8, 32768 // tiles))
             self.kernel(mX, mW, mOut, mWt, mCnt, mItems, mSlots).launch(
-                grid=(ctas, tiles, 1), block=(self.warps * 32, 1, 1), stream=stream)
+                grid=(ctas, tiles, 1), block=(self.warps * 32, 1, 1), stream=stream, use_pdl=self.pdl)
 
         @cute.kernel
         def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mOut: cute.Tensor, mWt: cute.Tensor,
                    mCnt: cute.Tensor, mItems: cute.Tensor, mSlots: cute.Tensor):
+            self.pdl_start()
             R, NR, W, U, P, L = self.rows, self.nrows, self.warps, self.unroll, self.per, self.lanes
             G, KW, CR = self.groups, self.ksplit, self.cta_rows
             tidx, _, _ = cute.arch.thread_idx()
@@ -395,7 +414,7 @@ def _kernel_classes():
                             mOut[slot, row] = s * mWt[slot // k, slot % k]
                 cute.arch.sync_threads()  # red is reused by the next item
 
-    class Route:
+    class Route(Pdl):
         def __init__(self, experts, top_k, scaling, forced=False, per=1):
             self.E, self.K, self.scaling, self.forced, self.per_item = experts, top_k, scaling, forced, per
             self.per = (experts + 31) // 32
@@ -404,11 +423,12 @@ def _kernel_classes():
         def __call__(self, mY: cute.Tensor, mBias: cute.Tensor, mTop: cute.Tensor, mWt: cute.Tensor,
                      mCnt: cute.Tensor, mItems: cute.Tensor, mSlots: cute.Tensor, stream: cuda.CUstream):
             self.kernel(mY, mBias, mTop, mWt, mCnt, mItems, mSlots).launch(
-                grid=(mTop.shape[0], 1, 1), block=(32, 1, 1), stream=stream)
+                grid=(mTop.shape[0], 1, 1), block=(32, 1, 1), stream=stream, use_pdl=self.pdl)
 
         @cute.kernel
         def kernel(self, mY: cute.Tensor, mBias: cute.Tensor, mTop: cute.Tensor, mWt: cute.Tensor,
                    mCnt: cute.Tensor, mItems: cute.Tensor, mSlots: cute.Tensor):
+            self.pdl_start()
             lane, _, _ = cute.arch.thread_idx()
             b, _, _ = cute.arch.block_idx()
             my_w = Float32(0.0)  # lane r keeps the r-th choice: no lane reads another lane's stores
@@ -458,7 +478,7 @@ def _kernel_classes():
                     at = cute.arch.atomic_add(mCnt.iterator + self.E, Int32(1))
                     mItems[at] = (my_id << ITEM_SHIFT) | pos
 
-    class SumNorm:
+    class SumNorm(Pdl):
         THREADS = SUM_NORM_THREADS
 
         def __init__(self, top_k, eps, per, slices=1):
@@ -468,10 +488,11 @@ def _kernel_classes():
         def __call__(self, mP: cute.Tensor, mG: cute.Tensor, mOut: cute.Tensor, mCnt: cute.Tensor, cycles: Int64,
                      stream: cuda.CUstream):
             self.kernel(mP, mG, mOut, mCnt, cycles).launch(grid=(mOut.shape[0], 1, 1), block=(self.THREADS, 1, 1),
-                                                           stream=stream)
+                                                           stream=stream, use_pdl=self.pdl)
 
         @cute.kernel
         def kernel(self, mP: cute.Tensor, mG: cute.Tensor, mOut: cute.Tensor, mCnt: cute.Tensor, cycles: Int64):
+            self.pdl_start()  # the spin (link time) starts when the collective's input exists
             T, K, PER = self.THREADS, self.K, self.per
             tidx, _, _ = cute.arch.thread_idx()
             b, _, _ = cute.arch.block_idx()
@@ -541,7 +562,7 @@ def _kernel_classes():
         blocks = (mOut.shape[1] + threads - 1) // threads
         return bidx // blocks, (bidx % blocks) * threads + tidx
 
-    class Gather:
+    class Gather(Pdl):
         """out[b, r w + j] = x[b, j] for r < tp after ``cycles`` of spin: an all-gather's stand-in that writes
         its output, as the collective kernel would (one launch, not a spin and a concatenation)."""
         THREADS = 256
@@ -552,15 +573,16 @@ def _kernel_classes():
         @cute.jit
         def __call__(self, mX: cute.Tensor, mOut: cute.Tensor, cycles: Int64, stream: cuda.CUstream):
             self.kernel(mX, mOut, cycles).launch(grid=rows_grid(mOut, self.THREADS), block=(self.THREADS, 1, 1),
-                                                 stream=stream)
+                                                 stream=stream, use_pdl=self.pdl)
 
         @cute.kernel
         def kernel(self, mX: cute.Tensor, mOut: cute.Tensor, cycles: Int64):
+            self.pdl_start()
             b, i = spun_element(mOut, cycles, self.THREADS)
             if i < mOut.shape[1]:
                 mOut[b, i] = mX[b, i % mX.shape[1]]
 
-    class ReduceAdd:
+    class ReduceAdd(Pdl):
         """out = base + tp x (fp32 math, bf16 out) after ``cycles`` of spin: an all-reduce's stand-in fused with
         the residual add, as a fused all-reduce kernel does it."""
         THREADS = 256
@@ -572,15 +594,16 @@ def _kernel_classes():
         def __call__(self, mX: cute.Tensor, mBase: cute.Tensor, mOut: cute.Tensor, cycles: Int64,
                      stream: cuda.CUstream):
             self.kernel(mX, mBase, mOut, cycles).launch(grid=rows_grid(mOut, self.THREADS),
-                                                        block=(self.THREADS, 1, 1), stream=stream)
+                                                        block=(self.THREADS, 1, 1), stream=stream, use_pdl=self.pdl)
 
         @cute.kernel
         def kernel(self, mX: cute.Tensor, mBase: cute.Tensor, mOut: cute.Tensor, cycles: Int64):
+            self.pdl_start()
             b, i = spun_element(mOut, cycles, self.THREADS)
             if i < mOut.shape[1]:
                 mOut[b, i] = (mBase[b, i].to(Float32) + Float32(self.tp) * mX[b, i].to(Float32)).to(BFloat16)
 
-    class Situ:
+    class Situ(Pdl):
         THREADS = 256
 
         def __init__(self, beta, linear_beta):
@@ -590,10 +613,11 @@ def _kernel_classes():
         def __call__(self, mH: cute.Tensor, mOut: cute.Tensor, stream: cuda.CUstream):
             n = mOut.shape[1]
             self.kernel(mH, mOut).launch(grid=(mOut.shape[0], (n + self.THREADS - 1) // self.THREADS, 1),
-                                         block=(self.THREADS, 1, 1), stream=stream)
+                                         block=(self.THREADS, 1, 1), stream=stream, use_pdl=self.pdl)
 
         @cute.kernel
         def kernel(self, mH: cute.Tensor, mOut: cute.Tensor):
+            self.pdl_start()
             tidx, _, _ = cute.arch.thread_idx()
             b, j, _ = cute.arch.block_idx()
             n = mOut.shape[1]

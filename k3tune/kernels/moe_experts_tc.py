@@ -41,6 +41,7 @@ so the block searches pf for bf16 only. ``ring`` > 1 brings the weights (codes, 
 shared-memory ring by cp.async, ``ring`` - 1 load batches ahead of the one being used: bytes in flight that hold no
 registers and, unlike pf, no TMA requests. s21-r8: MXFP4 w13 with 2 stages of 2 chunks made the experts step 2-10%
 faster (TP16/TP8 b1-64); bf16 through the ring is compiled and staged, not yet run on a GPU.
+``pdl`` (a compile argument, the block's knob): launched as a programmatic dependent, as ``moe_experts``' kernels.
 Scales above 2^1 are refused by ``check_scales`` (bf16 cannot hold the 2^(s-1) multiplier; K3's weight
 scales are far below).
 
@@ -269,10 +270,11 @@ def _fake_args(kind: str, fmt: str, arch: str):
 
 
 @functools.cache
-def compiled(kind: str, knobs: tuple, fmt: str, arch: str):
+def compiled(kind: str, knobs: tuple, fmt: str, arch: str, pdl: int = 0):
     """One compile per projection, knobs (m_tiles, warps_n, warps_k, n_tiles, unroll, beta, linear_beta, early, rl,
-    dq, pf, ring, MXFP4 remainder: see ``kernel_knobs``), format and arch; batch, widths and expert counts are
-    dynamic (K within its remainder class). Never call inside a capture."""
+    dq, pf, ring, MXFP4 remainder: see ``kernel_knobs``), format, arch and ``pdl`` (1: launched as a programmatic
+    dependent, as ``moe_experts``' kernels: each CTA waits for the grid before it, then lets the next one launch);
+    batch, widths and expert counts are dynamic (K within its remainder class). Never call inside a capture."""
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream
 
@@ -280,9 +282,10 @@ def compiled(kind: str, knobs: tuple, fmt: str, arch: str):
 
     def build():
         kern = _kernel_class()(kind, fmt, *knobs)
+        kern.pdl = bool(pdl)
         return cute.compile(kern, *_fake_args(kind, fmt, arch), make_fake_stream(), options=f"--gpu-arch {arch}")
 
-    return cached_compile(f"moe_tc_{kind}", (knobs, fmt, arch), (__name__, "k3tune.kernels.moe_experts"), build)
+    return cached_compile(f"moe_tc_{kind}", (knobs, fmt, arch, pdl), (__name__, "k3tune.kernels.moe_experts"), build)
 
 
 def kernel_knobs(kind: str, cfg: TcExpertConfig, fmt: str, k: int, beta: float = 0.0, linear_beta: float = 0.0):
@@ -307,30 +310,31 @@ def fp4_remainder(k: int, unroll: int) -> tuple:
 
 
 def prebuild(cfg13: TcExpertConfig, cfg2: TcExpertConfig, fmt: str, latent: int, inter: int, beta: float,
-             linear_beta: float) -> None:
+             linear_beta: float, pdl: int = 0) -> None:
     """Compile the two kernels a block with these configs runs (w13 over K = ``latent``, w2 over K = ``inter``, the
     rank's share), from the knobs alone (no tensors, no GPU): the sweep's compile farm calls it on CPU cores, and
     the GPU worker then loads them from the disk cache."""
     arch = current_arch()
-    compiled("w13", kernel_knobs("w13", cfg13, fmt, latent, beta, linear_beta), fmt, arch)
-    compiled("w2", kernel_knobs("w2", cfg2, fmt, inter), fmt, arch)
+    compiled("w13", kernel_knobs("w13", cfg13, fmt, latent, beta, linear_beta), fmt, arch, int(pdl))
+    compiled("w2", kernel_knobs("w2", cfg2, fmt, inter), fmt, arch, int(pdl))
 
 
 def run_w13(cfg: TcExpertConfig, latent, w13, act, weights, groups, beta: float, linear_beta: float,
-            scales=None, stream=None):
+            scales=None, stream=None, pdl: bool = False):
     """act[slot, :I] = situ(latent[tok] . gate rows, latent[tok] . up rows) over ``groups``' work items;
     ``w13`` bf16 [E, 2I, K], or MXFP4 codes uint8 [E, 2I, K/2] with ``scales`` uint8 [E, 2I, K/32]."""
     fmt = "bf16" if scales is None else "mxfp4"
     check(cfg, groups, latent.shape[1], fmt)
-    fn = compiled("w13", kernel_knobs("w13", cfg, fmt, latent.shape[1], beta, linear_beta), fmt, current_arch())
+    fn = compiled("w13", kernel_knobs("w13", cfg, fmt, latent.shape[1], beta, linear_beta), fmt, current_arch(),
+                  int(pdl))
     _launch(fn, latent, _operand(cfg, w13, fmt), scales, act, weights, groups, stream)
 
 
-def run_w2(cfg: TcExpertConfig, act, w2, out, weights, groups, scales=None, stream=None):
+def run_w2(cfg: TcExpertConfig, act, w2, out, weights, groups, scales=None, stream=None, pdl: bool = False):
     """out[slot, :L] = weight[slot] * act[slot] . w2 rows (fp32), over ``groups``' work items."""
     fmt = "bf16" if scales is None else "mxfp4"
     check(cfg, groups, act.shape[1], fmt, w13=False)
-    fn = compiled("w2", kernel_knobs("w2", cfg, fmt, act.shape[1]), fmt, current_arch())
+    fn = compiled("w2", kernel_knobs("w2", cfg, fmt, act.shape[1]), fmt, current_arch(), int(pdl))
     _launch(fn, act, _operand(cfg, w2, fmt), scales, out, weights, groups, stream)
 
 
@@ -390,6 +394,8 @@ def _kernel_class():
         return out
 
     class TcExpertGemm:
+        pdl = False  # set by ``compiled``
+
         def __init__(self, which, fmt, mt, wn, wk, nt, unroll, beta=0.0, linear_beta=0.0, early=1, rl=1, dq=0, pf=0,
                      ring=0, rem=0, half_chunk=0):
             self.w13, self.fp4, self.early, self.rl = which == "w13", fmt == "mxfp4", bool(early), rl
@@ -409,11 +415,14 @@ def _kernel_class():
             tiles = (out_rows + self.cta_rows * self.rl - 1) // (self.cta_rows * self.rl)  # groups of rl row tiles
             ctas = cutlass.min(mItems.shape[0], cutlass.max(8, 32768 // tiles))
             self.kernel(mX, mW, mS, mOut, mWt, mCnt, mItems, mSlots).launch(
-                grid=(ctas, tiles, 1), block=(self.wn * self.wk * 32, 1, 1), stream=stream)
+                grid=(ctas, tiles, 1), block=(self.wn * self.wk * 32, 1, 1), stream=stream, use_pdl=self.pdl)
 
         @cute.kernel
         def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mS: cute.Tensor, mOut: cute.Tensor,
                    mWt: cute.Tensor, mCnt: cute.Tensor, mItems: cute.Tensor, mSlots: cute.Tensor):
+            if cutlass.const_expr(self.pdl):  # the grid before complete (its outputs visible), then the next may launch
+                cute.arch.griddepcontrol_wait()
+                cute.arch.griddepcontrol_launch_dependents()
             MTOT, NT, WN, WK = self.mtot, self.nt, self.wn, self.wk
             tidx, _, _ = cute.arch.thread_idx()
             bidx, bidy, _ = cute.arch.block_idx()

@@ -34,6 +34,7 @@ clamp(u, -linear_beta, linear_beta). It is one function (``situ``): the block's 
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -214,6 +215,7 @@ class EmulatedComm:
 
     def __init__(self, tp: int, link_gbps: float = 0.0, latency_us: float = 0.0, target: str = ""):
         self.tp, self.link_gbps, self.latency_us = tp, link_gbps, latency_us
+        self.pdl = False  # the fused stand-ins launch as programmatic dependents (set by a block built with pdl)
         if tp == 1:
             self.label = "identity (tp=1)"
         elif link_gbps > 0:
@@ -263,7 +265,8 @@ class EmulatedComm:
         # a ring all-gather moves (tp - 1) parts of x's size
         if self._fused(x):
             out = torch.empty(x.shape[0], self.tp * x.shape[1], dtype=x.dtype, device=x.device)
-            moe_experts.gather_rows(x, out, self.tp, cycles=self.cycles(x.numel() * x.element_size(), self.tp))
+            moe_experts.gather_rows(x, out, self.tp, cycles=self.cycles(x.numel() * x.element_size(), self.tp),
+                                    pdl=self.pdl)
             return out
         self._occupy(x, ring_factor=self.tp)
         return torch.cat([x] * self.tp, dim=-1)
@@ -278,7 +281,8 @@ class EmulatedComm:
 
         if self.tp > 1 and x.shape == base.shape and self._fused(x, base):
             out = torch.empty_like(base)
-            moe_experts.reduce_add_rows(x, base, out, self.tp, cycles=self.cycles(x.numel() * x.element_size()))
+            moe_experts.reduce_add_rows(x, base, out, self.tp, cycles=self.cycles(x.numel() * x.element_size()),
+                                        pdl=self.pdl)
             return out
         self._occupy(x)
         return torch.add(base, x, alpha=self.tp)
@@ -317,9 +321,11 @@ class MoEBlock:
     @classmethod
     def build(cls, weights: RankWeights, path: str, batch: int, draft: int = 0, selector=None,
               comm: EmulatedComm | None = None, shared_stream=None, experts: str | None = None,
-              prefetch_mib: int = 0, experts_cfg: tuple | None = None, routed_stream=None) -> MoEBlock:
+              prefetch_mib: int = 0, experts_cfg: tuple | None = None, routed_stream=None, pdl: int = 0) -> MoEBlock:
         """``experts``: 'cute' (k3tune's grouped GEMV kernels, bf16 weights, GPU), 'grouped_mm'
-        (torch._grouped_mm; MXFP4 dequantised first), or None: 'cute' on the tuned path where it can run."""
+        (torch._grouped_mm; MXFP4 dequantised first), or None: 'cute' on the tuned path where it can run.
+        ``pdl`` (tuned path, CuTe kernels): the block's own kernels and the fused stand-ins launch as programmatic
+        dependents of the kernel before them (each waits for it before reading anything)."""
         import torch
 
         if path not in ("stock", "tuned"):
@@ -376,6 +382,11 @@ class MoEBlock:
         if experts not in ("cute", "grouped_mm"):
             raise ConfigError(f"expert implementation {experts!r}: expected cute or grouped_mm")
         blk._cache["experts"] = experts
+        blk._cache["pdl"] = bool(pdl) and experts == "cute"
+        if blk._cache["pdl"]:  # this block's copy: the caller's comm may serve blocks built without PDL
+            blk.comm = copy.copy(blk.comm)
+            blk.comm.pdl = True
+        blk.ran["pdl"] = ("the block's kernels launch as programmatic dependents" if blk._cache["pdl"] else "off")
         blk._cache["w13_t"] = None if w.fmt == "mxfp4" else w.w13.transpose(1, 2)
         blk._cache["w2_t"] = None if w.fmt == "mxfp4" else w.w2.transpose(1, 2)
         if experts == "cute":
@@ -511,24 +522,25 @@ class MoEBlock:
             else:
                 top.copy_(ft)
         g = c["groups"]
-        moe_experts.route(y, w.bias, top, c["wts"], shape.top_k, shape.scaling, g, forced=forced)
+        pdl = c["pdl"]
+        moe_experts.route(y, w.bias, top, c["wts"], shape.top_k, shape.scaling, g, forced=forced, pdl=pdl)
         self.last_top = top
         if isinstance(c["cfg13"], moe_experts_tc.TcExpertConfig):
             fp4 = w.fmt == "mxfp4"
             moe_experts_tc.run_w13(c["cfg13"], latent, w.w13[0] if fp4 else w.w13, c["act"], c["wts"], g,
-                                   shape.situ_beta, shape.situ_linear_beta, scales=w.w13[1] if fp4 else None)
+                                   shape.situ_beta, shape.situ_linear_beta, scales=w.w13[1] if fp4 else None, pdl=pdl)
             moe_experts_tc.run_w2(c["cfg2"], c["act"], w.w2[0] if fp4 else w.w2, c["per_slot"], c["wts"], g,
-                                  scales=w.w2[1] if fp4 else None)
+                                  scales=w.w2[1] if fp4 else None, pdl=pdl)
         else:
             moe_experts.run_w13(c["cfg13"], latent, w.w13, c["act"], c["wts"], g, shape.situ_beta,
-                                shape.situ_linear_beta)
-            moe_experts.run_w2(c["cfg2"], c["act"], w.w2, c["per_slot"], c["wts"], g)
+                                shape.situ_linear_beta, pdl=pdl)
+            moe_experts.run_w2(c["cfg2"], c["act"], w.w2, c["per_slot"], c["wts"], g, pdl=pdl)
         # a rank sums its slots before the all-reduce (the sum is linear), so what crosses the link is the
         # tokens' fp32 latent rows, not the per-slot partials; here the sum runs fused with the norm, after the
         # stand-in's spin in the same launch (an all-reduce fused with the norm)
         tokens = c["normed"].shape[0]
         moe_experts.sum_norm(c["per_slot"], w.norm, c["normed"], shape.top_k, shape.rms_eps / self.comm.tp ** 2, g,
-                             slices=self.comm.tp, cycles=self.comm.cycles(tokens * shape.latent * 4))
+                             slices=self.comm.tp, cycles=self.comm.cycles(tokens * shape.latent * 4), pdl=pdl)
         return c["normed"]
 
     def _shared(self, x):
@@ -539,7 +551,7 @@ class MoEBlock:
         h = f(x, w.shared_w13) if self.path == "stock" else self._gemms["moe.shared_w13"](x)
         if self._cache["experts"] == "cute":
             a = self._cache["shared_act"]
-            moe_experts.situ_rows(h, a, shape.situ_beta, shape.situ_linear_beta)
+            moe_experts.situ_rows(h, a, shape.situ_beta, shape.situ_linear_beta, pdl=self._cache["pdl"])
         else:
             gate, up = h.chunk(2, dim=-1)
             a = situ(gate.float(), up.float(), shape.situ_beta, shape.situ_linear_beta).to(x.dtype)
