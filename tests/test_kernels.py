@@ -44,6 +44,33 @@ def test_defaults_and_spaces_are_consistent(plan):
             assert default in cfgs or f.space_size(p) == 1
 
 
+def test_every_familys_longest_params_key_fits_the_trials_column():
+    """The longest value of every knob at once, over the problems of every shipped spec a family implements, keys
+    within trials.params_key's width (PostgreSQL enforces it; s24: the block's 30 knobs took 406 of 400)."""
+    import dataclasses
+
+    from k3tune.errors import CannotImplement
+    from k3tune.kernels import params_key
+    from k3tune.shipped import configs_dir
+    from k3tune.store.models import PARAMS_KEY_CHARS
+
+    longest = {}
+    for path in sorted(configs_dir().glob("sweep_*.toml")):
+        sp = spec.load(str(path))
+        for p in problems.build(sp, model.load(sp.model_config)).problems[::5]:
+            for f in FAMILIES.values():
+                if f.can_implement(p):
+                    try:
+                        base = dataclasses.asdict(f.default_config(p))
+                    except CannotImplement:  # no valid config for this shape: nothing of it is ever keyed
+                        continue
+                    wide = {k: max(vals, key=lambda v: len(str(v))) for k, vals in f.space(p).items()}
+                    key = params_key({**base, **wide})
+                    longest[f.name] = max(longest.get(f.name, 0), len(key))
+    assert "moe.overlap" in longest and "gemm.stream" in longest, sorted(longest)
+    assert max(longest.values()) <= PARAMS_KEY_CHARS, longest
+
+
 def test_declared_families_never_offered_to_gpu(plan):
     for p in plan.problems[::11]:
         assert all(not f.declared_only for f in families_for(p, "gpu"))

@@ -82,6 +82,7 @@ def test_newer_schema_refused(db_path):
 def test_upgrade_from_schema_0001(tmp_path):
     old = tmp_path / "old.sqlite"
     shutil.copy(DATA / "schema_0001.sqlite", old)
+    old.chmod(0o644)
     with pytest.raises(SchemaError, match="k3tune db upgrade"):
         store_db.open_db(old)
     assert store_db.upgrade(old) == ("0001", store_db.head_revision())
@@ -90,6 +91,21 @@ def test_upgrade_from_schema_0001(tmp_path):
         assert s.scalar(select(func.count()).select_from(Trial)) == 1
         assert s.scalar(select(func.count()).select_from(Winner)) == 1
     assert (tmp_path / "old.sqlite.bak").exists()
+    assert old.stat().st_mode & 0o777 == 0o644  # the upgraded copy took the original's permissions
+
+
+def test_a_params_key_of_a_whole_block_knob_set_is_stored(any_db_url):
+    """Keys up to the column's 2000 characters (schema 0004): PostgreSQL enforces the width, SQLite does not."""
+    from k3tune.store.models import PARAMS_KEY_CHARS
+
+    db, hw, pid, run = _setup(any_db_url)
+    key = "{" + ",".join(f'"knob_{i:03d}":{i}' for i in range(100)) + "}"
+    assert 400 < len(key) <= PARAMS_KEY_CHARS
+    rec = records.TrialRecord(pid, "moe.overlap", "d", {"k": 1}, key, 0, TrialStatus.ok, 1.0, 0.1, 5)
+    with db.session() as s:
+        records.record_trials(s, run, hw, Backend.simulated, [rec])
+    with db.session() as s:
+        assert s.scalar(select(Trial.params_key)) == key
 
 
 def test_trials_are_idempotent(any_db_url):

@@ -34,7 +34,7 @@ def _alembic_config() -> Config:
     return cfg
 
 
-SCHEMA_HEAD = "0003"  # the newest migration; a test checks it against alembic's script directory
+SCHEMA_HEAD = "0004"  # the newest migration; a test checks it against alembic's script directory
 
 
 def head_revision() -> str:
@@ -235,6 +235,7 @@ def upgrade(target: str | os.PathLike) -> tuple[str | None, str]:
         after = copy.revision()
         copy.dispose()
         shutil.copy2(db.path, str(db.path) + ".bak")
+        shutil.copymode(db.path, tmp)  # the upgraded file keeps the original's permissions (mkstemp's are 0600)
         os.replace(tmp, db.path)
     finally:
         if os.path.exists(tmp):

@@ -85,6 +85,9 @@ class ProblemRow(Base):
     dims: Mapped[dict] = mapped_column(JSON)
 
 
+PARAMS_KEY_CHARS = 2000  # trials.params_key (schema 0004; tests/test_kernels.py checks every family fits)
+
+
 class Trial(Base):
     __tablename__ = "trials"
     __table_args__ = (
@@ -100,7 +103,7 @@ class Trial(Base):
     family_digest: Mapped[str] = mapped_column(String(32))
     variant: Mapped[str] = mapped_column(String(60))
     params: Mapped[dict] = mapped_column(JSON)
-    params_key: Mapped[str] = mapped_column(String(400))
+    params_key: Mapped[str] = mapped_column(String(PARAMS_KEY_CHARS))
     round: Mapped[int] = mapped_column(Integer, default=0)  # 0: search, 1: re-measurement of the best few
     status: Mapped[TrialStatus] = mapped_column(Enum(TrialStatus, native_enum=False, length=20))
     backend: Mapped[Backend] = mapped_column(Enum(Backend, native_enum=False, length=20))
