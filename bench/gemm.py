@@ -33,6 +33,14 @@ from k3tune.search.outcome import relative_error
 DENSE_OPS = [n for n, o in plans.OPS.items() if o.kind == "gemm"]
 
 
+def write_json(path: str, obj) -> None:
+    """``obj`` as JSON at ``path``, whole or not at all (a temp file beside it, then a rename): a bench killed by its
+    timeout leaves the last complete write, never half a file."""
+    tmp = Path(f"{path}.tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    tmp.replace(path)
+
+
 def copy_bandwidth() -> float:
     src = torch.empty(1 << 30, dtype=torch.bfloat16, device="cuda")
     dst = torch.empty_like(src)
@@ -166,7 +174,7 @@ def main() -> None:
         summary["geomean_speedup_vs_inductor"] = math.exp(sum(math.log(r["inductor"]["us"] / r["tuned"]["us"])
                                                               for r in ind) / len(ind))
     print(json.dumps(summary, indent=2))
-    Path(args.out).write_text(json.dumps({"summary": summary, "rows": rows}, indent=1))
+    write_json(args.out, {"summary": summary, "rows": rows})
 
 
 if __name__ == "__main__":

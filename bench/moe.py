@@ -28,7 +28,7 @@ import statistics
 from pathlib import Path
 
 import torch
-from gemm import copy_bandwidth  # bench/gemm.py (this script runs from bench/)
+from gemm import copy_bandwidth, write_json  # bench/gemm.py (this script runs from bench/)
 
 from k3tune.errors import ConfigError
 from k3tune.kernels import mxfp4
@@ -103,6 +103,14 @@ def main() -> None:
     print(f"# {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s, table {sel.hash}, served blocks tuned for {args.served_routing} routing, collectives: "
           f"{'emulated, no link time' if args.link == 'none' else 'emulated, stand-ins timed by ' + args.link + ' NVLink'}")
     rows = []
+
+    def save(complete: bool) -> dict:
+        """The JSON so far, rewritten after every row: a run cut short by its timeout keeps the rows it finished."""
+        summary = summarize(rows, sms_list, pf_list, args.fmts.split(",")[0])
+        write_json(args.out, {"device": torch.cuda.get_device_name(), "copy_bw": bw, "complete": complete,
+                              "summary": summary, "rows": rows})
+        return summary
+
     for tp in (int(t) for t in args.tps.split(",")):
         layers = {fmt: [random_weights(sh, tp, fmt=fmt, device="cuda", seed=i) for i in range(args.layers)]
                   for fmt in {"bf16", *args.fmts.split(",")}}
@@ -156,6 +164,7 @@ def main() -> None:
                     del blocks
                 if "us" not in row.get("stock_bf16", {}):
                     rows.append(row)
+                    save(False)
                     continue
                 stock = row["stock_bf16"]["us"]
                 tuned = {k: v for k, v in row.items() if k.startswith(("tuned", "served", "uniformtuned")) and "us" in v}
@@ -170,12 +179,10 @@ def main() -> None:
                       f" | best {best.removeprefix('tuned_')} roof {tuned[best]['floor_us'] / tuned[best]['us']:.2f}",
                       flush=True)
                 rows.append(row)
+                save(False)
         del layers
         torch.cuda.empty_cache()
-    summary = summarize(rows, sms_list, pf_list, args.fmts.split(",")[0])
-    print(json.dumps(summary, indent=1))
-    Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "copy_bw": bw, "summary": summary,
-                                          "rows": rows}, indent=1))
+    print(json.dumps(save(True), indent=1))
 
 
 def served_knobs(sel, tp: int, batch: int, shared_sms: int | None = None, pdl: int | None = None) -> dict:

@@ -338,3 +338,26 @@ def test_expert_sass_mix_counts_the_innermost_mma_loop(tmp_path):
     assert "K loop 6 instructions (ALU 2, FMA 2, other 2)" in out, out
     assert "per word: 3.0 (ALU 1.0, FMA 1.0, other 1.0)" in out, out
     assert "SHF.R.U32.HI 1" in out and "HMMA.16816.F32.BF16 1" in out and "SEL" not in out, out
+
+
+def test_bench_json_is_rewritten_whole_or_not_at_all(tmp_path, monkeypatch):
+    """bench/moe.py rewrites its JSON after every row through ``write_json`` (bench/gemm.py): a run its timeout
+    cuts short keeps the rows it finished (s25-r3 lost a whole TP16 run), and a write that fails leaves the last
+    whole file, not half of one."""
+    import json
+    import sys
+    from pathlib import Path
+
+    import pytest
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "bench"))
+    sys.modules.pop("gemm", None)
+    from gemm import write_json
+
+    out = tmp_path / "bench-moe.json"
+    write_json(str(out), {"complete": False, "rows": [{"batch": 1}]})
+    with pytest.raises(TypeError):
+        write_json(str(out), {"complete": True, "rows": [{"batch": 1}, {"batch": object()}]})
+    assert json.loads(out.read_text()) == {"complete": False, "rows": [{"batch": 1}]}
+    write_json(str(out), {"complete": True, "rows": []})
+    assert json.loads(out.read_text())["complete"] and sorted(p.name for p in tmp_path.iterdir()) == ["bench-moe.json"]
