@@ -159,9 +159,9 @@ def main() -> None:
                         continue
                     q = statistics.quantiles(t, n=4)
                     floor = block_bytes(sh, tp, path, fmt, touched, batch) / bw * 1e6
+                    # the samples in replay order show what an IQR hides (s25-r4: 30-164 us at TP8 b32/b64)
                     row[name] = {"us": statistics.median(t), "iqr": q[2] - q[0], "floor_us": floor,
-                                 "samples_us": [round(v, 2) for v in t],  # in replay order: a bimodal spread
-                                 "ran": blocks[0].ran}  # (s25-r4: IQRs of 30-164 us at TP8 b32/b64) shows here
+                                 "samples_us": [round(v, 2) for v in t], "ran": blocks[0].ran}
                     del blocks
                 if "us" not in row.get("stock_bf16", {}):
                     rows.append(row)
