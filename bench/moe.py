@@ -25,7 +25,6 @@ import argparse
 import json
 import random
 import statistics
-from pathlib import Path
 
 import torch
 from gemm import copy_bandwidth, write_json  # bench/gemm.py (this script runs from bench/)
