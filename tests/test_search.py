@@ -623,6 +623,29 @@ def test_an_optional_feature_the_search_left_off_is_tried_on_at_the_leader():
         assert (s.decision.params["pdl"] == 1) == expect_on, (gain, s.decision.params)
 
 
+def test_an_sm_split_is_kept_only_where_it_beats_the_leaders_serial_twin():
+    """moe.overlap declares 0 shared SMs (serial) an off value: the leader is remeasured with the shared experts
+    serial and every other knob as it is, and with PDL alone off; a split within the noise of its serial twin is
+    recorded serial, one that pays beyond the noise is kept (s25: the sweep never measured serial at TP16 b8 Zipf
+    and the bench found it 2-4 us faster than the recorded split)."""
+    p = Problem("moe.block", "moe_block", (("tp", 16), ("M", 8), ("experts", 896), ("top_k", 16),
+                                           ("latent", 3584), ("inter", 192), ("shared_inter", 384),
+                                           ("hidden", 7168), ("format", "bf16"), ("routing", "zipf:1.2")))
+    fam = family("moe.overlap")
+    assert fam.off == {"prefetch_mib": 0, "pdl": 0, "shared_sms": 0}
+    for gain, expect_split in ((0.2, False), (5.0, True)):
+        s = ProblemSearch(p, [fam], spec.SearchSettings(budget=12, patience=12, remeasure_top=2, samples=9), seed=1)
+        _drive(s, lambda c, g=gain: 100.0 - (g if c.params["shared_sms"] else 0.0) - (3.0 if c.params["pdl"] else 0))
+        first = {k[1]: r for k, r in s.results.items() if k[2] == 0 and r.status == "ok"}
+        lead = json.loads(min(first, key=lambda k: first[k].median_us))
+        assert lead["shared_sms"] and lead["pdl"], lead  # the leader splits, with PDL on
+        again = {k[1] for k in s.results if k[2] == 1}
+        for twin in ({"shared_sms": 0}, {"pdl": 0}, {"shared_sms": 0, "pdl": 0}):
+            assert params_key(fam.canonical({**lead, **twin})) in again, twin
+        assert (s.decision.params["shared_sms"] > 0) == expect_split, (gain, s.decision.params)
+        assert s.decision.params["pdl"] == 1  # 3 us: beyond the noise
+
+
 def _searched_without_polish(tmp_path, ops: list[str]):
     """Two ops at TP16 and M = 1 and 8, searched without polish passes (4 problems, every one decided): the
     database, the spec, and the problems' ids by key."""

@@ -215,7 +215,9 @@ class MoeOverlap(_BlockOnGpu, KernelFamily):
     backends = frozenset({"simulated", "gpu"})
     priority = 30
     path = "tuned"
-    off = {"prefetch_mib": 0, "pdl": 0}  # a prefetch size (or PDL) is recorded only where it pays beyond the noise
+    # a prefetch size, PDL or an SM split is recorded only where it pays beyond the noise: the leader is remeasured
+    # with each off, and a tie goes to off (0 shared SMs: the shared experts run serially, on every SM)
+    off = {"prefetch_mib": 0, "pdl": 0, "shared_sms": 0}
 
     def space(self, problem: Problem) -> dict[str, tuple]:
         tc = {"experts_kernel": ("cuda_core", "tensor_core") if problem["format"] == "bf16" else ("tensor_core",),

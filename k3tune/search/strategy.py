@@ -314,10 +314,10 @@ class ProblemSearch:
             if safe is not None and safe.status == "ok" and safe not in finalists:
                 finalists.append(safe)
             self.queue = [Candidate(r.candidate.family, r.candidate.params, r.candidate.key, 1) for r in finalists]
-            if finalists:  # the leader with its optional features off: does the feature pay beyond noise? And
+            if finalists:  # the leader with its optional features off: does each pay beyond noise? And
                 # with its on/off features on: a feature TPE left off at the leader may pay there (ties keep it off)
                 lead = finalists[0].candidate
-                for twin in (self._switched_off(lead), self._switched_on(lead)):
+                for twin in (*self._switched_off(lead), self._switched_on(lead)):
                     if twin is not None and (twin.family, twin.key) not in {(c.family, c.key) for c in self.queue}:
                         self.queue.append(twin)
         if self.phase == "remeasure":
@@ -330,10 +330,14 @@ class ProblemSearch:
                 self.decision = self._decide()
         return None
 
-    def _switched_off(self, cand: Candidate) -> Candidate | None:
-        """``cand`` with every knob of its family's ``off`` set to off (round 1), if that differs and is valid."""
-        fam = self.fams[cand.family]
-        return self._twin(cand, {k: v for k, v in fam.off.items() if k in cand.params and cand.params[k] != v})
+    def _switched_off(self, cand: Candidate) -> list[Candidate | None]:
+        """``cand`` with each knob of its family's ``off`` that is on set to off alone, and with all of them off
+        where several are on (round 1, the valid ones): a feature is kept only where it pays beyond the noise
+        with the leader's other knobs as they are (s25: a block's leader with PDL on and 24 shared SMs, whose
+        serial twin was never measured, lost 2-4 us to it in the bench)."""
+        on = {k: v for k, v in self.fams[cand.family].off.items() if k in cand.params and cand.params[k] != v}
+        alone = [self._twin(cand, {k: v}) for k, v in on.items()]
+        return alone + [self._twin(cand, on)] if len(on) > 1 else alone
 
     def _switched_on(self, cand: Candidate) -> Candidate | None:
         """``cand`` with every two-valued ``off`` knob that is off switched on (round 1), if that is valid. Knobs
@@ -348,7 +352,7 @@ class ProblemSearch:
         if not changed:
             return None
         fam = self.fams[cand.family]
-        params = {**cand.params, **changed}
+        params = fam.canonical({**cand.params, **changed})
         try:
             cfg = fam.config_from_params(self.problem, params)
         except CannotImplement:
