@@ -9,7 +9,9 @@ after the routed experts, a multiple of 8 gives them a green-context partition o
 routed experts the rest (64 of the H200's 132 is the even split); prefetch 0 is off. With --served: the
 database's choice (whose ``routed_on`` may also leave the routed experts every SM), and the same knobs
 serial (served_serial) and on the even split (served_even); with --served-pdl, the same knobs with PDL forced
-off and on (served_pdl0, served_pdl1).
+off and on (served_pdl0, served_pdl1). The summary counts the SM split bar two ways: a served split that beats
+both (a served choice of 0 SMs is serial itself and counts as no split), and the served choice, split or serial,
+beating the even split without serial beating it.
 
 Each path runs in a CUDA graph over ``--layers`` layers with distinct weights (decode reads them from HBM),
 after a warm-up; medians and IQRs of the per-layer time over ``--samples`` replays. Routing is imposed
@@ -220,6 +222,8 @@ def summarize(rows: list[dict], sms_list: list[int], pf_list: list[int], fmt: st
         split = [t for n, t in best_at.items() if n not in (0, 64) and t is not None]
         serial, even = best_at.get(0), best_at.get(64)
         tuned = [t for t in best_at.values() if t is not None]
+        serial_served = ("us" in r.get(f"served_{fmt}", {})
+                         and r[f"served_{fmt}"]["ran"].get("shared", "").startswith("serial"))
         gains = {n: (us(r, n, 0) / min(t for p in pf_list if p and (t := us(r, n, p)) is not None) - 1)
                  for n in sms_list if us(r, n, 0) and any(p and us(r, n, p) for p in pf_list)}
         out.append({"tp": r["tp"], "batch": r["batch"], "routing": r["routing"],
@@ -230,8 +234,17 @@ def summarize(rows: list[dict], sms_list: list[int], pf_list: list[int], fmt: st
                                              if "us" in r.get(f"uniformtuned_{fmt}", {}) else None),
                     "served_roof": (r[f"served_{fmt}"]["floor_us"] / r[f"served_{fmt}"]["us"]
                                     if "us" in r.get(f"served_{fmt}", {}) else None),
-                    "served_split_beats_serial_and_even": _beats(r, f"served_{fmt}", f"served_serial_{fmt}",
-                                                                 f"served_even_{fmt}"),
+                    # a served choice of 0 SMs is serial itself: no split to beat serial with (s26-r4 counted
+                    # 4 such rows as wins on noise between two runs of identical knobs)
+                    "served_is_serial": serial_served,
+                    "served_split_beats_serial_and_even": (False if serial_served else
+                                                           _beats(r, f"served_{fmt}", f"served_serial_{fmt}",
+                                                                  f"served_even_{fmt}")),
+                    # the tuned choice, split or serial, beats the even split and is not beaten by serial
+                    "served_choice_holds": (None if (over_even := _beats(r, f"served_{fmt}", f"served_even_{fmt}"))
+                                            is None else over_even and (serial_served or
+                                                                        not _beats(r, f"served_serial_{fmt}",
+                                                                                   f"served_{fmt}"))),
                     "split_beats_serial_and_even": (bool(split) and serial is not None and even is not None
                                                     and min(split) < min(serial, even)),
                     # the served knobs with the block's kernels as programmatic dependents against without
@@ -244,8 +257,11 @@ def summarize(rows: list[dict], sms_list: list[int], pf_list: list[int], fmt: st
                     "prefetch_gain": gains})
     n = len(out)
     served = [o["served_split_beats_serial_and_even"] for o in out if o["served_split_beats_serial_and_even"] is not None]
+    held = [o["served_choice_holds"] for o in out if o["served_choice_holds"] is not None]
     return {"configs": n, "split_wins_fraction": sum(o["split_beats_serial_and_even"] for o in out) / n if n else None,
             "served_split_wins_fraction": sum(served) / len(served) if served else None,
+            "served_serial_chosen": sum(bool(o["served_is_serial"]) for o in out),
+            "served_choice_holds_fraction": sum(held) / len(held) if held else None,
             "per_config": out}
 
 

@@ -361,3 +361,34 @@ def test_bench_json_is_rewritten_whole_or_not_at_all(tmp_path, monkeypatch):
     assert json.loads(out.read_text()) == {"complete": False, "rows": [{"batch": 1}]}
     write_json(str(out), {"complete": True, "rows": []})
     assert json.loads(out.read_text())["complete"] and sorted(p.name for p in tmp_path.iterdir()) == ["bench-moe.json"]
+
+
+def test_bench_split_bar_counts_a_serial_choice_as_no_split(monkeypatch):
+    """bench/moe.py's split bar: a served block whose choice is 0 SMs runs serial itself, so two runs of the same
+    knobs must not count as a split beating serial on noise (s26-r4 counted four such rows); the choice still
+    holds where it beats the even split and serial does not beat it."""
+    import sys
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "bench"))
+    sys.modules.pop("moe", None)
+    from moe import summarize
+
+    def run(us, iqr, shared):
+        return {"us": us, "iqr": iqr, "floor_us": 50.0, "ran": {"shared": shared}}
+
+    def row(batch, served, serial, even, shared):
+        return {"tp": 16, "batch": batch, "routing": "uniform", "stock_bf16": run(300.0, 1.0, "serial"),
+                "served_bf16": run(served, 0.2, shared), "served_serial_bf16": run(serial, 0.2, "serial, after"),
+                "served_even_bf16": run(even, 0.2, "green context, 64 SMs")}
+
+    rows = [row(1, 49.8, 54.0, 60.0, "green context, 16 SMs"),       # a split, faster than both
+            row(8, 155.0, 155.3, 180.0, "serial, after the routed experts"),  # serial chosen, "faster" on noise
+            row(16, 261.0, 259.0, 300.0, "green context, 24 SMs")]    # a split serial beats
+    out = summarize(rows, [16], [0], "bf16")
+    per = {o["batch"]: o for o in out["per_config"]}
+    assert [per[b]["served_split_beats_serial_and_even"] for b in (1, 8, 16)] == [True, False, False]
+    assert [per[b]["served_is_serial"] for b in (1, 8, 16)] == [False, True, False]
+    assert [per[b]["served_choice_holds"] for b in (1, 8, 16)] == [True, True, False]
+    assert out["served_serial_chosen"] == 1 and out["served_split_wins_fraction"] == 1 / 3
+    assert out["served_choice_holds_fraction"] == 2 / 3
