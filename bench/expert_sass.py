@@ -1,21 +1,25 @@
 """SASS of the tensor-core expert kernels, and the instruction mix of their K loop.
 
-CuTe DSL compiles on the CPU, but disassembling needs cuobjdump, which only the GPU machine has. So:
+CuTe DSL compiles on the CPU, and cuobjdump / nvdisasm come as pip wheels (``pip install -e ".[sass]"``; the GPU
+machine has them on its PATH), so all of it runs on the CPU:
 
-    python bench/expert_sass.py compile DIR mxfp4 w13=1,1,4,1,1,1,1,1,0,2 w2=1,4,1,1,2,1,4,1,0,0   (CPU)
-    python bench/expert_sass.py dump DIR                  (GPU machine: cuobjdump -sass of each DIR/*.cubin)
-    python bench/expert_sass.py mix DIR/*.sass            (anywhere: opcodes of each kernel's K loop)
+    python bench/expert_sass.py compile DIR mxfp4 w13=1,1,4,1,1,1,1,1,0,2 w2=1,4,1,1,2,1,4,1,0,0
+    python bench/expert_sass.py dump DIR                  (cuobjdump -sass of each DIR/*.cubin)
+    python bench/expert_sass.py regs DIR                  (registers, stack and local memory (spills) of each)
+    python bench/expert_sass.py mix DIR/*.sass            (opcodes of each kernel's K loop)
 
 ``compile`` takes TcExpertConfig's fields in order (``NAME=...``, NAME starting w13 or w2, K3's K: 3584 / 3072 / tp
-with --tp) and writes NAME.cubin; carry DIR (untracked) to the device. ``mix`` counts the opcodes of the innermost
+with --tp) and writes NAME.cubin. ``mix`` counts the opcodes of the innermost
 loop that holds HMMAs (the K loop), with the pipe each one issues on (ALU, FMA, other), per 32-bit word of weights
 the loop decodes when given --words.
 """
 import argparse
 import collections
+import importlib.util
 import os
 import pathlib
 import re
+import shutil
 import subprocess
 import tempfile
 
@@ -29,9 +33,39 @@ def device_cubins(fn, name: str) -> list:
     return [data[i:] for i in [i for i in range(len(data)) if data.startswith(b"\x7fELF", i)][1:]]
 
 
+def cuobjdump(*args) -> str:
+    """cuobjdump's output: the one of the ``sass`` extra's wheels where installed (with its nvdisasm, which -sass
+    runs, on the PATH), else the one on the PATH (the GPU machine's)."""
+    env = dict(os.environ)
+    try:
+        spec = importlib.util.find_spec("nvidia.cu13")  # the wheels' namespace package
+    except ModuleNotFoundError:
+        spec = None
+    for d in (spec.submodule_search_locations or []) if spec else []:
+        if (pathlib.Path(d) / "bin" / "cuobjdump").exists():
+            env["PATH"] = f"{pathlib.Path(d) / 'bin'}{os.pathsep}{env.get('PATH', '')}"
+            break
+    exe = shutil.which("cuobjdump", path=env.get("PATH"))
+    if exe is None:
+        raise SystemExit('error: no cuobjdump: pip install -e ".[sass]" (or run where the CUDA toolkit is)')
+    return subprocess.run([exe, *args], capture_output=True, text=True, check=True, env=env).stdout
+
+
 def disassemble(cubin) -> str:
-    """cuobjdump -sass of a cubin file (the GPU machine has cuobjdump; the CPU one does not)."""
-    return subprocess.run(["cuobjdump", "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    """cuobjdump -sass of a cubin file."""
+    return cuobjdump("-sass", str(cubin))
+
+
+def resources(cubin) -> dict:
+    """Per kernel in a cubin: {"REG": registers a thread, "STACK": bytes, "LOCAL": bytes of local memory (spills),
+    "SHARED": static shared bytes}, from cuobjdump -res-usage."""
+    out, name = {}, None
+    for line in cuobjdump("-res-usage", str(cubin)).splitlines():
+        if line.strip().startswith("Function "):
+            name = line.strip()[len("Function "):].rstrip(":")
+        elif name and "REG:" in line:
+            out[name] = {k: int(v) for k, v in re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", line)}
+    return out
 
 
 def compile_cubins(out: pathlib.Path, fmt: str, specs: list, tp: int) -> None:
@@ -56,6 +90,12 @@ def dump(directory: pathlib.Path) -> None:
         sass = disassemble(cubin)
         cubin.with_suffix(".sass").write_text(sass)
         print(f"{cubin.with_suffix('.sass')}: {len(sass.splitlines())} lines")
+
+
+def regs(directory: pathlib.Path) -> None:
+    for cubin in sorted(directory.glob("*.cubin")):
+        for name, r in resources(cubin).items():
+            print(f"{cubin.name}: REG {r['REG']} STACK {r['STACK']} LOCAL {r['LOCAL']} SHARED {r['SHARED']}  {name[:60]}")
 
 
 def loop_mix(text: str) -> tuple:
@@ -97,6 +137,8 @@ def main() -> None:
     c.add_argument("--tp", type=int, default=16)
     d = sub.add_parser("dump")
     d.add_argument("dir", type=pathlib.Path)
+    r = sub.add_parser("regs")
+    r.add_argument("dir", type=pathlib.Path)
     m = sub.add_parser("mix")
     m.add_argument("files", nargs="+")
     m.add_argument("--words", type=int, default=0, help="32-bit weight words one trip of the loop decodes")
@@ -105,6 +147,8 @@ def main() -> None:
         compile_cubins(a.dir, a.fmt, a.specs, a.tp)
     elif a.cmd == "dump":
         dump(a.dir)
+    elif a.cmd == "regs":
+        regs(a.dir)
     else:
         mix(a.files, a.words)
 

@@ -392,3 +392,30 @@ def test_bench_split_bar_counts_a_serial_choice_as_no_split(monkeypatch):
     assert [per[b]["served_choice_holds"] for b in (1, 8, 16)] == [True, True, False]
     assert out["served_serial_chosen"] == 1 and out["served_split_wins_fraction"] == 1 / 3
     assert out["served_choice_holds_fraction"] == 2 / 3
+
+
+def test_expert_sass_disassembles_a_kernel_compiled_on_the_cpu(tmp_path):
+    """bench/expert_sass.py on the CPU alone (cuobjdump and nvdisasm from the test extra's wheels): the MXFP4
+    tensor-core w13 kernel compiled for sm_90a, its registers and spills read back, its SASS dumped and its K loop
+    found — the bf16 MMAs the rotate-and-mask decode feeds, and no local memory (s26: the e4m3 path's 212 registers
+    and emulated e4m3 MMAs were found this way)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "bench" / "expert_sass.py"
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a")
+
+    def sass(*args):
+        r = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, env=env, timeout=600)
+        assert r.returncode == 0, r.stderr[-2000:]
+        return r.stdout
+
+    sass("compile", str(tmp_path), "mxfp4", "w13=1,2,2,1,2,1,1,1", "--tp", "8")
+    regs = sass("regs", str(tmp_path))
+    assert regs.startswith("w13.cubin: REG ") and " LOCAL 0 " in regs, regs
+    assert 32 <= int(regs.split()[2]) <= 255, regs
+    sass("dump", str(tmp_path))
+    mix = sass("mix", str(tmp_path / "w13.sass"))
+    assert "HMMA.16816.F32.BF16" in mix and "F2FP" not in mix, mix
