@@ -71,7 +71,15 @@ def resources(cubin) -> dict:
 def compile_cubins(out: pathlib.Path, fmt: str, specs: list, tp: int) -> None:
     # a kernel loaded from the disk cache holds no module to dump: compile afresh, through an empty cache (the cache
     # path also loads the runtime library that dumping needs on a CPU-only machine; K3TUNE_KERNEL_CACHE=off does not)
-    os.environ["K3TUNE_KERNEL_CACHE"] = tempfile.mkdtemp(prefix="k3tune-sass-")
+    cache = tempfile.mkdtemp(prefix="k3tune-sass-")
+    os.environ["K3TUNE_KERNEL_CACHE"] = cache
+    try:
+        _compile_into(out, fmt, specs, tp)
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+
+
+def _compile_into(out: pathlib.Path, fmt: str, specs: list, tp: int) -> None:
     from k3tune.kernels import moe_experts_tc as tc
 
     out.mkdir(parents=True, exist_ok=True)
