@@ -9,9 +9,8 @@ machine has them on its PATH), so all of it runs on the CPU:
     python bench/expert_sass.py mix DIR/*.sass            (opcodes of each kernel's K loop)
 
 ``compile`` takes TcExpertConfig's fields in order (``NAME=...``, NAME starting w13 or w2, K3's K: 3584 / 3072 / tp
-with --tp) and writes NAME.cubin. ``mix`` counts the opcodes of the innermost
-loop that holds HMMAs (the K loop), with the pipe each one issues on (ALU, FMA, other), per 32-bit word of weights
-the loop decodes when given --words.
+with --tp) and writes NAME.cubin. ``mix`` counts the opcodes of the innermost loop that holds HMMAs (the K loop),
+with the pipe each one issues on (ALU, FMA, other), per 32-bit word of weights the loop decodes when given --words.
 """
 import argparse
 import collections
@@ -103,7 +102,8 @@ def dump(directory: pathlib.Path) -> None:
 def regs(directory: pathlib.Path) -> None:
     for cubin in sorted(directory.glob("*.cubin")):
         for name, r in resources(cubin).items():
-            print(f"{cubin.name}: REG {r['REG']} STACK {r['STACK']} LOCAL {r['LOCAL']} SHARED {r['SHARED']}  {name[:60]}")
+            print(f"{cubin.name}: REG {r['REG']} STACK {r['STACK']} LOCAL {r['LOCAL']} SHARED {r['SHARED']}",
+                  name[:60])
 
 
 def loop_mix(text: str) -> tuple:
