@@ -1,12 +1,14 @@
-"""MXFP4 weights for an ``mma.sync.m16n8k32`` e4m3 path (Hopper has e4m3 tensor cores, no E2M1 ones): the code
-layout, its decode and the activations' rounding, in torch, as the reference a kernel is checked against.
+"""MXFP4 weights for an ``mma.sync.m16n8k32`` e4m3 path: the code layout, its decode and the activations' rounding,
+in torch, as the reference a kernel is checked against, and the rounding ``bench/fp8_act_error.py`` studies.
 
-Staged, not yet run by any kernel (NOTES, session 25). Why: the bf16 path (``moe_experts_tc``, dq = 1) spends ~14
-instructions per 32-bit code word on its K loop's core (9 to decode 4 bf16x2 pairs, 4 bf16x2 FMAs for the scale, one
-m16n8k16 MMA) and the MXFP4 experts are bound by issue (s22-r5 ncu, r7 SASS). Here a word decodes to two e4m3x4
-registers in 5 (an AND; two shifts, an AND and a LOP3), one m16n8k32 covers one 32-code scale block of a row pair, so
-the scale moves after the MMA (4 FFMA per block and row pair, 2 a word), and hi + lo activations cost a second MMA
-into the same partial sum: ~9 a word.
+No kernel on main uses it. The e4m3 kernel path (branch ``s26-e4m3``) matched this reference on the H200 but ran
+24-36% slower than the bf16 path: sm_90a has no e4m3 ``mma.sync``, ptxas emulates it with e4m3 -> f16 unpacks and f16
+MMAs (SASS, NOTES session 26), so it fits only an e4m3 wgmma or tcgen05 path. The reasoning it was built on: the
+bf16 path (``moe_experts_tc``, dq = 1) spends ~14 instructions per 32-bit code word on its K loop's core (9 to decode
+4 bf16x2 pairs, 4 bf16x2 FMAs for the scale, one m16n8k16 MMA) and the MXFP4 experts are bound by issue (s22-r5 ncu,
+r7 SASS). Here a word decodes to two e4m3x4 registers in 5 (an AND; two shifts, an AND and a LOP3), one m16n8k32
+covers one 32-code scale block of a row pair, so the scale moves after the MMA (4 FFMA per block and row pair, 2 a
+word), and hi + lo activations cost a second MMA into the same partial sum: ~9 a word (in PTX; not in SASS).
 
 - E2M1 is exact in e4m3: a code ``(s, mag)`` as the byte ``(s << 7) | (mag << 2)`` reads as its value times 2^-6
   (both subnormal codes included: e4m3's subnormal step is 2^-9); the 2^6 goes into the block's scale multiplier
