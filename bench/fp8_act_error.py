@@ -27,6 +27,7 @@ from k3tune.kernels import mxfp4_e4m3
 from k3tune.runtime.moe import BlockShape, random_weights, reference, situ, virtual_full
 from k3tune.shipped import configs_dir
 
+
 def rounded(x, how: str):
     """``x`` (fp32 [T, K]) as the tensor cores would see it, back in fp32 ("fp32": unrounded)."""
     if how == "fp32":
@@ -74,13 +75,13 @@ def main() -> None:
                 x = torch.randn(t, shape.hidden, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
                 ref, top, _ = reference(x, full, shape)
                 exact = routed_sum(x, full, shape, top, "fp32")
+                gate, up = (x.float() @ full["shared_w13"].t()).chunk(2, dim=-1)  # the shared experts: unrounded
+                shared = situ(gate, up, shape.situ_beta, shape.situ_linear_beta) @ full["shared_w2"].t()
                 errs, outs = [], []
                 for how in ("bf16", "e4m3", "hi+lo"):
                     r = routed_sum(x, full, shape, top, how)
                     errs.append(((r - exact).norm() / exact.norm()).item())
                     normed = r * torch.rsqrt(r.pow(2).mean(-1, keepdim=True) + shape.rms_eps) * full["norm"]
-                    gate, up = (x.float() @ full["shared_w13"].t()).chunk(2, dim=-1)
-                    shared = situ(gate, up, shape.situ_beta, shape.situ_linear_beta) @ full["shared_w2"].t()
                     out = normed @ full["w_up"].t() + shared
                     outs.append(((out - ref).norm() / ref.norm()).item())
                 print(f"{tp:2} {t:6} {seed:4} | " + " ".join(f"{e:.1e}" for e in errs) + " | "
