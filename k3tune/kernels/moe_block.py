@@ -293,10 +293,11 @@ class MoeOverlap(_BlockOnGpu, KernelFamily):
         c13, c2, per = default_config(problem["M"])
         if problem["format"] != "bf16":  # MXFP4: the tensor-core kernels, items of up to 8 tokens; early epilogue
             # loads and 4 w2 row tiles per item (s19-r1: TP16 b64 337 -> 311 -> 294 us, TP8 595 -> 574 -> 562); w2 on
-            # repacked codes (s20-r3: experts step 4-6% faster at TP16/TP8 b1-64; w13 on them was not); w13's codes
-            # through a 2-stage shared-memory ring (s21-r8: 2-10% faster at TP16/TP8 b1-64)
+            # repacked codes (s20-r3: experts step 4-6% faster at TP16/TP8 b1-64); w13's codes through a 2-stage
+            # shared-memory ring (s21-r8: 2-10% faster at TP16/TP8 b1-64), repacked too (s27-r1: through the ring
+            # they are 3-8% faster at TP16/TP8 b8-64; without it, s20-r3, they were not)
             return MoeOverlapConfig(group=min(8, max(1, problem["M"])), shared_sms=16, experts_kernel="tensor_core",
-                                    tc_early=1, tc2_rl=4, tc2_dq=1, tc13_ring=2)
+                                    tc_early=1, tc2_rl=4, tc2_dq=1, tc13_dq=1, tc13_ring=2)
         return MoeOverlapConfig(c13.rows, c13.warps, c13.unroll, c2.rows, c2.warps, c2.unroll, c2.lanes, per,
                                 shared_sms=16)
 
