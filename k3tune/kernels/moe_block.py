@@ -198,7 +198,7 @@ class MoeOverlapConfig(KernelConfig):
     tc2_rl: int = 1
     tc_early: int = 0  # the epilogue's slot ids/weights loaded with the item header (s19-r1: MXFP4 faster, bf16 slower)
     tc13_dq: int = 0  # MXFP4 decode layout per kernel: 1 = codes repacked for a rotate-and-mask decode
-    tc2_dq: int = 0  # (moe_experts_tc.pack_codes; s20: w2 4-6% faster steps, w13 no gain); bf16 ignores them
+    tc2_dq: int = 0  # (moe_experts_tc.pack_codes; s20: w2 steps 4-6% faster; s27: w13 3-8% through its ring); not bf16
     tc13_pf: int = 0  # load batches ahead whose weights each warp pulls into L2 (bf16 only: s21-r1)
     tc2_pf: int = 0
     tc13_ring: int = 0  # stages of the shared-memory weight ring (s21-r8, MXFP4 w13 with 2: experts step 2-10% faster)
