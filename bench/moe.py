@@ -222,29 +222,25 @@ def summarize(rows: list[dict], sms_list: list[int], pf_list: list[int], fmt: st
         split = [t for n, t in best_at.items() if n not in (0, 64) and t is not None]
         serial, even = best_at.get(0), best_at.get(64)
         tuned = [t for t in best_at.values() if t is not None]
-        serial_served = ("us" in r.get(f"served_{fmt}", {})
-                         and r[f"served_{fmt}"]["ran"].get("shared", "").startswith("serial"))
+        served, s_serial, s_even = f"served_{fmt}", f"served_serial_{fmt}", f"served_even_{fmt}"
+        serial_served = "us" in r.get(served, {}) and r[served]["ran"].get("shared", "").startswith("serial")
+        # the tuned choice, split or serial, beats the even split and is not beaten by serial
+        over_even = _beats(r, served, s_even)
+        holds = None if over_even is None else over_even and (serial_served or not _beats(r, s_serial, served))
         gains = {n: (us(r, n, 0) / min(t for p in pf_list if p and (t := us(r, n, p)) is not None) - 1)
                  for n in sms_list if us(r, n, 0) and any(p and us(r, n, p) for p in pf_list)}
         out.append({"tp": r["tp"], "batch": r["batch"], "routing": r["routing"],
                     "speedup": r["stock_bf16"]["us"] / min(tuned) if tuned else None,
-                    "served_speedup": (r["stock_bf16"]["us"] / r[f"served_{fmt}"]["us"]
-                                       if "us" in r.get(f"served_{fmt}", {}) else None),
+                    "served_speedup": r["stock_bf16"]["us"] / r[served]["us"] if "us" in r.get(served, {}) else None,
                     "uniformtuned_speedup": (r["stock_bf16"]["us"] / r[f"uniformtuned_{fmt}"]["us"]
                                              if "us" in r.get(f"uniformtuned_{fmt}", {}) else None),
-                    "served_roof": (r[f"served_{fmt}"]["floor_us"] / r[f"served_{fmt}"]["us"]
-                                    if "us" in r.get(f"served_{fmt}", {}) else None),
+                    "served_roof": r[served]["floor_us"] / r[served]["us"] if "us" in r.get(served, {}) else None,
                     # a served choice of 0 SMs is serial itself: no split to beat serial with (s26-r4 counted
                     # 4 such rows as wins on noise between two runs of identical knobs)
                     "served_is_serial": serial_served,
-                    "served_split_beats_serial_and_even": (False if serial_served else
-                                                           _beats(r, f"served_{fmt}", f"served_serial_{fmt}",
-                                                                  f"served_even_{fmt}")),
-                    # the tuned choice, split or serial, beats the even split and is not beaten by serial
-                    "served_choice_holds": (None if (over_even := _beats(r, f"served_{fmt}", f"served_even_{fmt}"))
-                                            is None else over_even and (serial_served or
-                                                                        not _beats(r, f"served_serial_{fmt}",
-                                                                                   f"served_{fmt}"))),
+                    "served_split_beats_serial_and_even": False if serial_served else _beats(r, served, s_serial,
+                                                                                             s_even),
+                    "served_choice_holds": holds,
                     "split_beats_serial_and_even": (bool(split) and serial is not None and even is not None
                                                     and min(split) < min(serial, even)),
                     # the served knobs with the block's kernels as programmatic dependents against without
