@@ -375,6 +375,30 @@ def test_measurer_times_each_trial_on_independent_allocations():
     assert out.status == "ok" and out.samples == 9
 
 
+def test_timed_replays_are_queued_behind_a_spin_not_synchronised_one_by_one(monkeypatch):
+    """time_graph queues every timed replay and its events behind one spin on the GPU and synchronises once (s27:
+    synchronising after each sample put the host's graph launch, and any stall of a busy host, inside the next
+    sample); the old method stays reachable for bench/timing_hold.py. Both return one per-launch time a sample."""
+    import torch
+
+    from k3tune.search import measure_gpu
+
+    p = Problem("kda.o_proj", "gemm", (("M", 2), ("N", 7168), ("K", 1536)))
+    fam = family("gemm.cublas")
+    inputs = fam.make_inputs(p, torch.device("cuda"), torch.Generator(device="cuda").manual_seed(6))
+    sets = measure_gpu.rotation_sets(fam, p, inputs)
+    run = fam.build(p, fam.default_config(p))
+    spins, syncs = [], []
+    real_sleep, real_sync = torch.cuda._sleep, torch.cuda.Event.synchronize
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda n: (spins.append(n), real_sleep(n))[1])
+    monkeypatch.setattr(torch.cuda.Event, "synchronize", lambda ev: (syncs.append(ev), real_sync(ev))[1])
+    queued = measure_gpu.time_graph(run, sets, 7)
+    assert spins == [measure_gpu.HOLD_CYCLES] and syncs == [], "queued: one spin, no per-sample synchronisation"
+    old = measure_gpu.time_graph(run, sets, 7, queued=False)
+    assert spins == [measure_gpu.HOLD_CYCLES] and len(syncs) == 7
+    assert len(queued) == len(old) == 7 and all(0 < t < 1e4 for t in queued + old)
+
+
 def test_attention_baselines_on_gpu():
     import torch
 

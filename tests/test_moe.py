@@ -394,6 +394,35 @@ def test_bench_split_bar_counts_a_serial_choice_as_no_split(monkeypatch):
     assert out["served_choice_holds_fraction"] == 2 / 3
 
 
+def test_timing_hold_bench_reads_its_problems_and_winners_from_the_database(monkeypatch):
+    """bench/timing_hold.py (the timing-method A/B) names its problems by key patterns on a real database: each
+    match comes back as the problem the sweep measured (the same key) with its winner's family and params, which
+    the family accepts; a pattern that matches nothing is a one-line exit, not an empty run."""
+    import sqlite3
+    import sys
+    from pathlib import Path
+
+    import pytest
+
+    from k3tune.kernels import family
+    from k3tune.shipped import tuning_db_dir
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "bench"))
+    sys.modules.pop("timing_hold", None)
+    sys.modules.pop("gemm", None)
+    from timing_hold import winners
+
+    db = str(tuning_db_dir() / "h200.sqlite")
+    got = winners(db, ["mla.q_a[M=16,N=1536,%", "moe.block[tp=8,M=1,%format=bf16,routing=uniform]"])
+    with sqlite3.connect(db) as c:
+        keys = {k for (k,) in c.execute("select key from problems")}
+    assert [p.kind for p, _, _ in got] == ["gemm", "moe_block"] and all(p.key in keys for p, _, _ in got)
+    for p, fam, params in got:
+        assert family(fam).config_from_params(p, params) is not None
+    with pytest.raises(SystemExit, match="no winner .* like 'nope%'"):
+        winners(db, ["nope%"])
+
+
 def test_expert_sass_disassembles_a_kernel_compiled_on_the_cpu(tmp_path):
     """bench/expert_sass.py on the CPU alone (cuobjdump and nvdisasm from the test extra's wheels): the MXFP4
     tensor-core w13 kernel compiled for sm_90a, its registers and spills read back, its SASS dumped and its K loop

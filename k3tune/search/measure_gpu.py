@@ -7,7 +7,8 @@ For each candidate:
 3. capture a CUDA graph of many launches that cycle through enough copies of the weights to exceed L2
    (decode reads weights from HBM), warm up, then time replays with CUDA events — on ``ALLOC_ROUNDS``
    independent allocations of those copies where they are small (dense GEMMs), ``samples`` replays in all;
-   the per-launch median and interquartile range over every replay are recorded.
+   the per-launch median and interquartile range over every replay are recorded. The replays and their events
+   are queued behind a spin on the GPU, so no replay waits on the host (see ``time_graph``).
 A CUDA error poisons the context: the outcome says so and the worker is replaced.
 """
 
@@ -25,8 +26,9 @@ ROTATE_L2_FACTOR = 3  # weight copies span at least this many L2 capacities
 ALLOC_ROUNDS = 3  # each trial is timed on this many independent allocations of its weights ...
 ROUNDS_MAX_BYTES = 2 << 30  # ... where one round's weight copies fit in this (a block's are timed on one)
 MAX_ROTATION_BYTES = 8 << 30
-MIN_LAUNCHES = 20  # per graph: amortises the replay's own launch cost
+MIN_LAUNCHES = 20  # per graph: amortises the GPU's own cost of starting a replay
 WARMUP_REPLAYS = 3
+HOLD_CYCLES = 4_000_000  # SM clock cycles (~2 ms at 1.98 GHz) the GPU spins while the host queues the timed replays
 
 
 def _l2_bytes() -> int:
@@ -143,10 +145,17 @@ class GpuBackend:
         return summarize([t for r in per_round for t in r], compile_s=compile_s)
 
 
-def time_graph(run, sets: list[dict], samples: int, warmup_ms: float = 0.0) -> list[float]:
+def time_graph(run, sets: list[dict], samples: int, warmup_ms: float = 0.0, queued: bool = True) -> list[float]:
     """Per-launch times (us) of ``run``: a CUDA graph of many launches cycling through the rotation sets,
     warmed up (WARMUP_REPLAYS replays, then more until ``warmup_ms`` have passed), then replayed ``samples``
-    times between CUDA events."""
+    times between CUDA events.
+
+    ``queued``: the timed replays and their events are all queued behind a ``HOLD_CYCLES`` spin on the GPU, then
+    synchronised once, so the GPU never waits on the host inside a sample. Synchronising after each sample
+    instead (``queued=False``, the method up to session 27, kept for bench/timing_hold.py's comparison) leaves
+    the stream idle when the next sample's start event is recorded: the host's graph launch then falls inside
+    the sample, and a host thread descheduled there (a sweep's compile farm keeps the CPUs busy) adds its
+    whole stall to it (s27: 11-15% of the re-measured block trials with an IQR above 3% of their median)."""
     import torch
 
     launches = max(MIN_LAUNCHES, len(sets))
@@ -168,13 +177,15 @@ def time_graph(run, sets: list[dict], samples: int, warmup_ms: float = 0.0) -> l
     while (time.perf_counter() - t0) * 1e3 < warmup_ms:
         graph.replay()
         torch.cuda.synchronize()
-    times = []
-    for _ in range(samples):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(samples)]
+    if queued:
+        torch.cuda._sleep(HOLD_CYCLES)
+    for a, b in pairs:
         a.record()
         graph.replay()
         b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1000.0 / launches)
+        if not queued:
+            b.synchronize()
+    torch.cuda.synchronize()
     del graph
-    return times
+    return [a.elapsed_time(b) * 1000.0 / launches for a, b in pairs]
