@@ -15,7 +15,9 @@
 # kernels that DB holds: put the dense spec first; a spec that does not finish stops the rest), e.g.
 #   SPEC="configs/sweep_h200_moe_bf16.toml configs/sweep_h200_moe_bf16_zipf.toml" SWEEP_S=270 BENCH=0 bash bench/resweep_compare.sh 1
 # SWEEP_S may list one limit per spec, in SPEC's order (the last one serves the rest), e.g. SWEEP_S="150 150 330"
-# (s19: the MXFP4 block specs need ~300 s, the bf16 ones ~130 s).
+# (s19: the MXFP4 block specs need ~300 s, the bf16 ones ~130 s). REDO=pattern (SQL LIKE on problem keys,
+# ';'-separated) drops those problems' winners from the starting copy, so the sweep decides them again, e.g. after a
+# change to how trials are timed (search/method.py: old trials are then not reused), REDO="moe.block[%".
 set -uo pipefail
 source .carry/cutedsl/unpack.sh || exit 1
 N=${1:-2}
@@ -29,6 +31,9 @@ if [ -n "${START_DB:-}" ]; then  # resume a sweep cut short: its DB (xz) with ev
   xz -dc "$START_DB" > /tmp/sweep.sqlite || exit 1
 else
   cp tuning_db/h200.sqlite /tmp/sweep.sqlite
+fi
+if [ -n "${REDO:-}" ]; then  # re-decide problems whose winners are current (a measuring change re-keys nothing)
+  python3 bench/redo_problems.py /tmp/sweep.sqlite "$REDO" || exit 1
 fi
 cache=$(mktemp -d)  # one kernel cache for every spec's workers
 limits=(${SWEEP_S:-240})

@@ -917,3 +917,31 @@ def test_local_passes_try_the_winners_one_knob_neighbours(tmp_path):
                     untried[local] += f.valid(cfg, p) and params_key(cfg.params()) not in tried
         assert local == 0 or st.polish_passes < 8, "the climb must end before the pass limit"
     assert untried[1] == 0 < untried[0], untried
+
+
+def test_redo_problems_makes_the_next_sweep_decide_them_again(tmp_path):
+    """bench/redo_problems.py (for a change to how trials are timed, which re-keys no winner): on a real SQLite sweep,
+    the matching problems' winners go and the next sweep decides exactly those again (the rest stay done); a
+    pattern that matches nothing is a one-line exit that changes nothing."""
+    import importlib.util
+    import sqlite3
+
+    root = Path(__file__).resolve().parent.parent
+    mod = importlib.util.spec_from_file_location("redo_problems", root / "bench" / "redo_problems.py")
+    redo_problems = importlib.util.module_from_spec(mod)
+    mod.loader.exec_module(redo_problems)
+    path = tmp_path / "sweep.sqlite"
+    sp = spec.from_dict({"matrix": {"tp": [16], "batch": [1, 8], "ops": ["kda.o_proj", "mla.q_a"]},
+                         "buckets": {"tokens": [1, 8], "batch": [1, 8], "query_len": [1]},
+                         "search": {"budget": 4, "samples": 3, "remeasure_top": 1}})
+    first = run_sweep(_opts(store_db.open_db(str(path)), sp))
+    query = "SELECT p.key FROM winners w JOIN problems p ON p.id = w.problem_id"
+    keys = {k for (k,) in sqlite3.connect(path).execute(query)}
+    assert first.problems_done == len(keys) == 4
+    with pytest.raises(SystemExit, match="no problem .* like nope%"):
+        redo_problems.redo(str(path), ["nope%"])
+    assert redo_problems.redo(str(path), ["mla.q_a[%"]) == 2
+    assert {k for (k,) in sqlite3.connect(path).execute(query)} == {k for k in keys if not k.startswith("mla.q_a")}
+    again = run_sweep(_opts(store_db.open_db(str(path)), sp))
+    assert again.problems_done_before == 2 and again.problems_done == 2
+    assert {k for (k,) in sqlite3.connect(path).execute(query)} == keys
