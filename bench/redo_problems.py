@@ -1,41 +1,83 @@
-"""Drop the winners (and claims) of the problems whose keys match, so the next sweep into this database decides them
-again: after a change to how trials are timed (k3tune/search/method.py), which re-keys no winner but makes the old
-trials unusable (a trial is reused only by the method that timed it). Trials stay, for the notebook.
+"""Mark the winners of the problems whose keys match as stale (and drop their claims), so the next sweep into this
+database decides them again: after a change to how trials are timed (k3tune/search/method.py), which re-keys no
+winner but makes the old trials unusable (a trial is reused only by the method that timed it). A stale winner stays
+as a kernel change leaves it: the sweep re-measures it first as a warm start, and the export leaves it out. (s28:
+deleting them instead cost the bf16 block sweeps every warm start, and TPE alone ended up to 43% slower.)
 
-    python bench/redo_problems.py /tmp/sweep.sqlite "moe.block[tp=8,%bf16%;moe.block[tp=16,%"
+    python bench/redo_problems.py /tmp/sweep.sqlite "moe.block[tp=8,%bf16%;moe.block[tp=16,%" [--seeds-from OLD.sqlite]
+
+``--seeds-from`` adds, as further stale winners, those that another database (of the same hardware) holds for the
+matching problems: a redo that ran without its warm starts then resumes from its own trials and the old winners.
 """
 
 from __future__ import annotations
 
-import sys
+import argparse
 
-from sqlalchemy import delete, select
+from sqlalchemy import delete, or_, select
 
 from k3tune.errors import K3TuneError
 from k3tune.store.db import Database
-from k3tune.store.models import Claim, ProblemRow, Winner
+from k3tune.store.inspect import is_current
+from k3tune.store.models import Claim, Hardware, ProblemRow, Winner
 
 
-def redo(path: str, patterns: list[str]) -> int:
-    """Winners dropped for problems whose key matches any of ``patterns`` (SQL LIKE); their claims go with them."""
+STALE = "redo"  # the op-digest mark of a winner to decide again (a real digest is 32 hex characters)
+SEED = "redo-seed"  # the mark of a winner copied from another database as a warm start
+
+
+def redo(path: str, patterns: list[str], seeds_from: str | None = None) -> int:
+    """Current winners made stale for problems whose key matches any of ``patterns`` (SQL LIKE); their claims go.
+    With ``seeds_from``, that database's current winners of those problems join them (stale, marked SEED)."""
+    seeds = _current_winners(seeds_from, patterns) if seeds_from else []
     with Database(path, create=False).session() as s:
         ids = {pid for pat in patterns for (pid,) in s.execute(select(ProblemRow.id).where(ProblemRow.key.like(pat)))}
         if not ids:
             raise SystemExit(f"redo_problems: no problem in {path} has a key like {' or '.join(patterns)}")
-        n = s.execute(delete(Winner).where(Winner.problem_id.in_(ids))).rowcount
+        rows = s.execute(select(Winner, ProblemRow.op).join(ProblemRow, ProblemRow.id == Winner.problem_id)
+                         .where(Winner.problem_id.in_(ids))).all()
+        current = [w for w, op in rows if is_current(op, w.op_digest, w.backend)]
+        for w in current:  # one stale mark a problem and backend: the newest winner's
+            s.execute(delete(Winner).where(Winner.hardware_id == w.hardware_id, Winner.problem_id == w.problem_id,
+                                           Winner.backend == w.backend, Winner.op_digest == STALE))
+            w.op_digest = STALE
+        n = len(current)
+        hw_of = {h.digest: h.id for h in s.scalars(select(Hardware))}
+        pid_of = dict(s.execute(select(ProblemRow.key, ProblemRow.id).where(ProblemRow.id.in_(ids))).all())
+        for hw_digest, key, values in seeds:
+            if hw_digest in hw_of and key in pid_of:
+                where = dict(hardware_id=hw_of[hw_digest], problem_id=pid_of[key], backend=values["backend"])
+                s.execute(delete(Winner).filter_by(**where, op_digest=SEED))
+                s.add(Winner(**{**values, **where}, op_digest=SEED, origin=f"seed from {seeds_from}"[:300]))
+                n += 1
         s.execute(delete(Claim).where(Claim.problem_id.in_(ids)))
         s.commit()
     return n
 
 
+def _current_winners(path: str, patterns: list[str]) -> list[tuple[str, str, dict]]:
+    """(hardware digest, problem key, the winner's values) of the current winners whose key matches."""
+    keep = ("backend", "family", "family_digest", "params", "median_us", "spread_us", "default_us", "ties", "trials")
+    with Database(path, create=False).session() as s:
+        rows = s.execute(select(Winner, ProblemRow.key, ProblemRow.op, Hardware.digest)
+                         .join(ProblemRow, ProblemRow.id == Winner.problem_id)
+                         .join(Hardware, Hardware.id == Winner.hardware_id)
+                         .where(or_(*(ProblemRow.key.like(p) for p in patterns)))).all()
+        return [(hw, key, {k: getattr(w, k) for k in keep}) for w, key, op, hw in rows
+                if is_current(op, w.op_digest, w.backend)]
+
+
 def main() -> None:
-    if len(sys.argv) != 3:
-        raise SystemExit("usage: redo_problems.py DB 'PATTERN[;PATTERN...]'")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("db")
+    ap.add_argument("patterns", help="';'-separated SQL LIKE patterns on problem keys")
+    ap.add_argument("--seeds-from", help="another database whose current winners of those problems join as seeds")
+    a = ap.parse_args()
     try:
-        n = redo(sys.argv[1], [p for p in sys.argv[2].split(";") if p])
+        n = redo(a.db, [p for p in a.patterns.split(";") if p], a.seeds_from)
     except K3TuneError as e:
         raise SystemExit(f"redo_problems: {e}") from None
-    print(f"redo_problems: {n} winners dropped; the next sweep decides those problems again")
+    print(f"redo_problems: {n} stale winners to start from; the next sweep decides those problems again")
 
 
 if __name__ == "__main__":

@@ -919,12 +919,15 @@ def test_local_passes_try_the_winners_one_knob_neighbours(tmp_path):
     assert untried[1] == 0 < untried[0], untried
 
 
-def test_redo_problems_makes_the_next_sweep_decide_them_again(tmp_path):
+def test_redo_problems_makes_the_next_sweep_decide_them_again_from_their_winners(tmp_path, monkeypatch):
     """bench/redo_problems.py (for a change to how trials are timed, which re-keys no winner): on a real SQLite sweep,
-    the matching problems' winners go and the next sweep decides exactly those again (the rest stay done); a
-    pattern that matches nothing is a one-line exit that changes nothing."""
+    the matching problems' winners turn stale, and the next sweep decides exactly those again (the rest stay done),
+    with each old winner among its warm starts (s28: deleting them lost the warm starts). A second redo before that
+    sweep marks nothing twice; a pattern that matches nothing is a one-line exit that changes nothing."""
     import importlib.util
     import sqlite3
+
+    from k3tune.search import strategy
 
     root = Path(__file__).resolve().parent.parent
     mod = importlib.util.spec_from_file_location("redo_problems", root / "bench" / "redo_problems.py")
@@ -935,13 +938,36 @@ def test_redo_problems_makes_the_next_sweep_decide_them_again(tmp_path):
                          "buckets": {"tokens": [1, 8], "batch": [1, 8], "query_len": [1]},
                          "search": {"budget": 4, "samples": 3, "remeasure_top": 1}})
     first = run_sweep(_opts(store_db.open_db(str(path)), sp))
-    query = "SELECT p.key FROM winners w JOIN problems p ON p.id = w.problem_id"
-    keys = {k for (k,) in sqlite3.connect(path).execute(query)}
-    assert first.problems_done == len(keys) == 4
+    query = "SELECT p.key, w.family, w.params, w.op_digest FROM winners w JOIN problems p ON p.id = w.problem_id"
+    won = {k: (f, json.loads(prm)) for k, f, prm, _ in sqlite3.connect(path).execute(query)}
+    assert first.problems_done == len(won) == 4
     with pytest.raises(SystemExit, match="no problem .* like nope%"):
         redo_problems.redo(str(path), ["nope%"])
     assert redo_problems.redo(str(path), ["mla.q_a[%"]) == 2
-    assert {k for (k,) in sqlite3.connect(path).execute(query)} == {k for k in keys if not k.startswith("mla.q_a")}
+    assert redo_problems.redo(str(path), ["mla.q_a[%"]) == 0
+    stale = {k for k, _, _, d in sqlite3.connect(path).execute(query) if d == redo_problems.STALE}
+    assert stale == {k for k in won if k.startswith("mla.q_a")}
+    warm_of = {}
+    real = strategy.known_candidates
+
+    def spy(problem, families, settings, warm=()):
+        warm_of.setdefault(problem.key, []).extend((f, prm) for f, prm, *_ in warm)
+        return real(problem, families, settings, warm)
+    monkeypatch.setattr(strategy, "known_candidates", spy)
     again = run_sweep(_opts(store_db.open_db(str(path)), sp))
     assert again.problems_done_before == 2 and again.problems_done == 2
-    assert {k for (k,) in sqlite3.connect(path).execute(query)} == keys
+    assert {k for k, _, _, d in sqlite3.connect(path).execute(query) if d != redo_problems.STALE} == set(won)
+    for k in stale:
+        assert won[k] in warm_of[k], (k, warm_of.get(k))
+    # winners lost altogether (s28's first redo deleted them): --seeds-from brings another database's back as seeds
+    old = tmp_path / "old.sqlite"
+    with sqlite3.connect(path) as src, sqlite3.connect(old) as dst:
+        src.backup(dst)  # (WAL mode: a file copy may miss committed pages)
+    with sqlite3.connect(path) as c:
+        c.execute("DELETE FROM winners WHERE problem_id IN (SELECT id FROM problems WHERE key LIKE 'mla.q_a[%')")
+    assert redo_problems.redo(str(path), ["mla.q_a[%"], seeds_from=str(old)) == 2
+    warm_of.clear()
+    third = run_sweep(_opts(store_db.open_db(str(path)), sp))
+    assert third.problems_done_before == 2 and third.problems_done == 2
+    for k in stale:
+        assert won[k] in warm_of[k], (k, warm_of.get(k))
