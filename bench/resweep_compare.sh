@@ -16,9 +16,10 @@
 #   SPEC="configs/sweep_h200_moe_bf16.toml configs/sweep_h200_moe_bf16_zipf.toml" SWEEP_S=270 BENCH=0 bash bench/resweep_compare.sh 1
 # SWEEP_S may list one limit per spec, in SPEC's order (the last one serves the rest), e.g. SWEEP_S="150 150 330"
 # (s19: the MXFP4 block specs need ~300 s, the bf16 ones ~130 s). REDO=pattern (SQL LIKE on problem keys,
-# ';'-separated) marks those problems' winners stale in the starting copy, so the sweep decides them again from them
-# (warm starts), e.g. after a
-# change to how trials are timed (search/method.py: old trials are then not reused), REDO="moe.block[%".
+# ';'-separated) marks those problems' winners stale in the starting copy, so the sweep decides them again starting
+# from them, e.g. after a change to how trials are timed (search/method.py: old trials are then not reused),
+# REDO="moe.block[%". Give REDO to the first call only: a resuming call (START_DB) would make stale again what the
+# first call decided.
 set -uo pipefail
 source .carry/cutedsl/unpack.sh || exit 1
 N=${1:-2}
