@@ -70,6 +70,9 @@ def test_plan_json(capsys):
     (["db", "show", "/nonexistent.sqlite"], "database not found", 4),
     (["db", "verify", "/nonexistent.sqlite"], "database not found", 4),  # was a NOT OK verdict "needs db upgrade"
     (["sweep", "--gpus", "0", "--simulate", "gb300"], "--gpus must be at least 1", 2),  # was run on 1 worker
+    (["lookup", "--tp", "8", "--batch", "4", "--db", "/nonexistent.sqlite"], "database not found", 4),  # was
+    # heuristic defaults behind a warning that no GPU was detected
+    (["lookup", "--tp", "8", "--batch", "4", "--hardware", "tpu"], "unknown hardware 'tpu'", 3),
 ])
 def test_known_errors_are_one_line(argv, msg, code, capsys):
     assert main(argv) == code
@@ -187,3 +190,23 @@ def test_lookup_reads_what_the_sweep_wrote_by_default(tmp_path, monkeypatch, cap
     look = json.loads(capsys.readouterr().out)
     assert look["db"] == "k3tune.sqlite" and not look["warnings"]
     assert {o["op"]: o for o in look["ops"]}["kda.qkvg_proj"]["source"] == "simulated"
+
+
+def test_lookup_hardware_serves_that_gpus_database(tmp_path, monkeypatch, capsys):
+    """`k3tune lookup --hardware h200` on a machine without that GPU serves the database shipped for it (it had
+    served heuristic defaults unless --db was given); a database without that GPU's winners serves heuristic defaults
+    with a warning that says so (it had said no GPU was detected), never another GPU's winners."""
+    monkeypatch.chdir(tmp_path)
+    for var in ("K3TUNE_DB", "K3TUNE_SERVE_DB", "K3TUNE_HARDWARE"):
+        monkeypatch.delenv(var, raising=False)
+    assert main(["lookup", "--tp", "8", "--batch", "4", "--hardware", "h200", "--json"]) == 0
+    look = json.loads(capsys.readouterr().out)
+    sources = {o["op"]: o["source"] for o in look["ops"]}
+    assert sources["moe.block"] == "measured" and sources["kda.o_proj"] == "measured", look["warnings"]
+    db = str(tmp_path / "sim.sqlite")
+    assert main(["sweep", "--gpus", "1", "--simulate", "gb300", "--spec", "smoke", "--db", db, "--json"]) == 0
+    capsys.readouterr()
+    assert main(["lookup", "--tp", "16", "--batch", "8", "--hardware", "h200", "--db", db, "--json"]) == 0
+    look = json.loads(capsys.readouterr().out)
+    assert [w for w in look["warnings"] if "no measured winners of NVIDIA H200" in w], look["warnings"]
+    assert {o["source"] for o in look["ops"]} == {"heuristic default"}

@@ -9,6 +9,8 @@ import typer
 from rich.console import Console
 
 from k3tune import settings
+from k3tune.errors import DatabaseError
+from k3tune.store import db as store_db
 
 console = Console()
 err_console = Console(stderr=True)
@@ -23,6 +25,14 @@ JsonOption = Annotated[bool, typer.Option("--json", help="Print machine-readable
 
 def db_target(db: str | None) -> str:
     return db or settings.load().default_db
+
+
+def require_db(db: str) -> str:
+    """``db`` if it is a URL or an existing SQLite file; a missing file is bad input (one line, exit 4)."""
+    _, path = store_db.to_url(db)
+    if path is not None and not path.exists():
+        raise DatabaseError(f"database not found: {path}")
+    return db
 
 
 def print_json(obj) -> None:

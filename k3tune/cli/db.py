@@ -8,7 +8,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from k3tune.cli.common import ConfigOption, JsonOption, SpecOption, console, db_target, print_json
+from k3tune.cli.common import ConfigOption, JsonOption, SpecOption, console, db_target, print_json, require_db
 from k3tune.errors import DatabaseError
 from k3tune.plan import model as models, problems as plans, spec as specs
 from k3tune.store import db as store_db
@@ -53,9 +53,7 @@ def verify(db: DbArg = None, spec: SpecOption = None, config: ConfigOption = Non
     """
     sp = specs.load(spec)
     plan = plans.build(sp, models.load(config or sp.model_config))
-    _, path = store_db.to_url(db_target(db))
-    if path is not None and not path.exists():  # bad input, not a verdict on a database
-        raise DatabaseError(f"database not found: {path}")
+    require_db(db_target(db))  # a missing file is bad input, not a verdict on a database
     try:
         v = inspect.verify(store_db.open_db(db_target(db), create=False, check_schema=False), plan)
     except DatabaseError as e:  # unreadable (corrupt, truncated): that is the verdict

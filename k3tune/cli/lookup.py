@@ -10,7 +10,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from k3tune import settings
-from k3tune.cli.common import ConfigOption, JsonOption, SpecOption, console, print_json
+from k3tune.cli.common import ConfigOption, JsonOption, SpecOption, console, print_json, require_db
 from k3tune.plan import model as models, spec as specs
 from k3tune.runtime import Selector
 
@@ -26,8 +26,8 @@ def lookup(
     db: Annotated[str | None, typer.Option("--db", help="Tuning database (default: $K3TUNE_DB, else ./k3tune.sqlite where "
                                                          "it exists, else the shipped one for the detected GPU).")] = None,
     simulate: Annotated[str | None, typer.Option("--simulate", help="Serve the simulated winners of this hardware (e.g. gb300).")] = None,
-    hardware: Annotated[str | None, typer.Option("--hardware", help="Serve the measured winners of this GPU from --db (e.g. h200), "
-                                                 "to inspect a database on another machine.")] = None,
+    hardware: Annotated[str | None, typer.Option("--hardware", help="Serve the measured winners of this GPU (e.g. h200) from --db, "
+                                                 "else from the database shipped for it: to inspect one on another machine.")] = None,
     spec: SpecOption = None,
     config: ConfigOption = None,
     json: JsonOption = False,
@@ -40,6 +40,8 @@ def lookup(
     """
     specs.validate_deployment_values(tp, batch, dcp, draft)
     sp = specs.load(spec)
+    if db is not None:  # named: a typo must not serve heuristic defaults behind a warning
+        require_db(db)
     db = db or settings.load().db or (str(LOCAL_DB) if LOCAL_DB.is_file() else None)  # what `k3tune sweep` wrote
     sel = Selector.load(db, simulated=simulate, measured_on=hardware, spec=sp, model=models.load(config or sp.model_config))
     choices = sel.layer(tp, batch, draft, dcp, context)

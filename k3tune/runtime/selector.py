@@ -72,16 +72,21 @@ def shipped_db_for(fp: Fingerprint | None) -> Path | None:
     return path if path and path.exists() else None
 
 
-def _measured_fingerprint(db, name: str) -> Fingerprint | None:
-    """The fingerprint of the first measured (not simulated) hardware in db whose name contains ``name``."""
+def _measured_fingerprint(db, name: str) -> tuple[Fingerprint | None, str]:
+    """The fingerprint of the first measured (not simulated) hardware in db whose name contains ``name``; where
+    there is none, why."""
     try:
         d = Database(db, readonly=True, create=False)
-        with d.session() as s:
-            h = s.scalars(select(Hardware).where(Hardware.simulated.is_(False), Hardware.name.contains(name))).first()
-        d.dispose()
-    except DatabaseError:
-        return None
-    return h and Fingerprint(h.name, h.compute_capability, h.sm_count, h.memory_gib, h.driver, h.cuda, False)
+        try:
+            with d.session() as s:
+                h = s.scalars(select(Hardware).where(Hardware.simulated.is_(False), Hardware.name.contains(name))).first()
+        finally:
+            d.dispose()
+    except (DatabaseError, SQLAlchemyError) as e:
+        return None, f"cannot use tuning database: {str(e).splitlines()[0]}"
+    if h is None:
+        return None, f"{db}: no measured winners of {name}"
+    return Fingerprint(h.name, h.compute_capability, h.sm_count, h.memory_gib, h.driver, h.cuda, False), ""
 
 
 class Selector:
@@ -116,21 +121,32 @@ class Selector:
         gc_was_on = gc.isenabled()
         gc.disable()  # thousands of small objects, none cyclic: collections would only cost time
         try:
-            if measured_on and db is not None:
-                fingerprint = _measured_fingerprint(db, hardware.spec(measured_on).name) or fingerprint
+            unserved = None  # why measured_on's winners cannot be served
+            if measured_on:
+                hw = hardware.spec(measured_on)
+                if db is None:  # the shipped one for that GPU
+                    shipped = tuning_db_dir() / f"{hw.key}.sqlite"
+                    db = settings.load().serve_db or (shipped if shipped.exists() else None)
+                found, unserved = _measured_fingerprint(db, hw.name) if db is not None else \
+                    (None, f"no tuning database for {hw.name}")
+                fingerprint = found or fingerprint
             routing = routing or settings.load().routing
             if routing:
                 spec = dataclasses.replace(spec or specs.load(), routing=routing)
-            return cls._load(db, fingerprint, simulated, spec, model)
+            return cls._load(db, fingerprint, simulated, spec, model, unserved)
         finally:
             if gc_was_on:
                 gc.enable()
 
     @classmethod
-    def _load(cls, db, fingerprint, simulated, spec, model) -> Selector:
+    def _load(cls, db, fingerprint, simulated, spec, model, unserved: str | None = None) -> Selector:
         sel = cls(spec or specs.load(), model or models.load())
         if simulated:
             fp = hardware.simulated_fingerprint(hardware.spec(simulated))
+        elif unserved and fingerprint is None:  # the hardware asked for is not in db: never another GPU's winners
+            sel._warn(f"{unserved}: serving heuristic defaults")
+            sel._build()
+            return sel
         else:
             if fingerprint is None:
                 found = hardware.detect()
