@@ -73,6 +73,8 @@ def test_plan_json(capsys):
     (["lookup", "--tp", "8", "--batch", "4", "--db", "/nonexistent.sqlite"], "database not found", 4),  # was
     # heuristic defaults behind a warning that no GPU was detected
     (["lookup", "--tp", "8", "--batch", "4", "--hardware", "tpu"], "unknown hardware 'tpu'", 3),
+    (["sweep", "--simulate", "gb300", "--trial-timeout", "-1"], "--trial-timeout must be more than 0", 2),  # were
+    (["sweep", "--simulate", "gb300", "--lease", "0"], "--lease must be at least 10", 2),  # accepted
 ])
 def test_known_errors_are_one_line(argv, msg, code, capsys):
     assert main(argv) == code
@@ -210,3 +212,23 @@ def test_lookup_hardware_serves_that_gpus_database(tmp_path, monkeypatch, capsys
     look = json.loads(capsys.readouterr().out)
     assert [w for w in look["warnings"] if "no measured winners of NVIDIA H200" in w], look["warnings"]
     assert {o["source"] for o in look["ops"]} == {"heuristic default"}
+
+
+def test_export_and_merge_refuse_to_overwrite_a_source_or_write_a_url(tmp_path, capsys):
+    """`db export a.sqlite a.sqlite` replaced the sweep's database with its winners (every trial lost), and an
+    export to a URL wrote a file at ./postgresql:/...: both are one-line errors now, and the source is untouched."""
+    import sqlite3
+
+    db = tmp_path / "a.sqlite"
+    assert main(["sweep", "--simulate", "gb300", "--spec", "smoke", "--db", str(db), "--json"]) == 0
+    capsys.readouterr()
+    trials = sqlite3.connect(db).execute("SELECT count(*) FROM trials").fetchone()[0]
+    assert trials > 0
+    for argv in (["db", "export", str(db), str(db)], ["db", "export", str(db), str(tmp_path / "." / "a.sqlite")],
+                 ["db", "merge", str(db), str(db)]):
+        assert main(argv) == 4
+        assert "is also a source" in capsys.readouterr().err
+    assert sqlite3.connect(db).execute("SELECT count(*) FROM trials").fetchone()[0] == trials
+    assert main(["db", "export", str(db), "postgresql://u@h/k3tune"]) == 4
+    assert "give a path" in capsys.readouterr().err
+    assert not [p for p in tmp_path.rglob("*") if "postgresql" in str(p)]

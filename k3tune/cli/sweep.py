@@ -28,6 +28,9 @@ def _visible_gpus() -> int:
     return torch.cuda.device_count()
 
 
+MIN_LEASE_S = 10.0
+
+
 def sweep(
     gpus: Annotated[int | None, typer.Option("--gpus", help="Worker processes, one per GPU (default: all visible GPUs).")] = None,
     simulate: Annotated[str | None, typer.Option("--simulate",
@@ -73,6 +76,10 @@ def sweep(
         raise ConfigError("--gpus must be at least 1")
     if compile_procs is not None and compile_procs < 0:
         raise ConfigError("--compile-procs must be 0 or more")
+    if not trial_timeout > 0:  # (not: NaN too) a zero timeout would kill every candidate as hung
+        raise ConfigError(f"--trial-timeout must be more than 0 seconds, not {trial_timeout}")
+    if not lease >= MIN_LEASE_S:  # claims renew every lease / 3: shorter, another machine takes live problems over
+        raise ConfigError(f"--lease must be at least {MIN_LEASE_S:.0f} seconds, not {lease}")
     target = db_target(db)
     if "://" not in target and Path(target).resolve().parent == tuning_db_dir().resolve():
         raise ConfigError(f"{target}: tuning_db/ is read-only shipped data; sweep into another database and "

@@ -25,9 +25,9 @@ from k3tune.store.records import insert_ignore
 @contextlib.contextmanager
 def atomic_sqlite(dest: str | os.PathLike, start_from: Path | None = None) -> Iterator[Database]:
     """A fresh (or copied) SQLite database at a temp path that replaces ``dest`` only on success."""
+    if "://" in str(dest):  # before resolving: a path collapses the URL's "//" (it had made ./postgresql:/u@h/db)
+        raise DatabaseError(f"export and merge write SQLite files; give a path, not {dest}")
     dest = Path(dest).resolve()
-    if "://" in str(dest):
-        raise DatabaseError("export and merge write SQLite files; give a path")
     dest.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
     os.close(fd)
@@ -169,16 +169,29 @@ def copy_records(src: Database, dst: Database, *, origin: str, trials: bool, har
     return stats
 
 
+def _refuse_onto(dest: str | os.PathLike, sources: list[Database]) -> None:
+    """A destination that is one of the sources is bad input."""
+    if "://" in str(dest):
+        return  # atomic_sqlite refuses it
+    target = Path(dest).resolve()
+    for src in sources:
+        if src.path is not None and (src.path.resolve() == target or target.exists() and src.path.exists()
+                                     and os.path.samefile(src.path, target)):
+            raise DatabaseError(f"{dest} is also a source: write to another file")
+
+
 def export(src: Database, dest: str | os.PathLike, *, hardware: str | None = None,
            keep: Callable[[str, str, str], bool] | None = None) -> CopyStats:
     """A compact database holding winners with their provenance (hardware, software, runs, problems);
     ``keep(op, op_digest, backend)`` drops winners the caller knows to be stale."""
+    _refuse_onto(dest, [src])  # the export would replace the source with its winners: every trial lost
     with atomic_sqlite(dest) as out:
         return copy_records(src, out, origin=str(src.path or src.url), trials=False, hardware=hardware, keep=keep)
 
 
 def merge(dest: str | os.PathLike, sources: list[Database]) -> CopyStats:
     """Merge every trial and winner of the sources into dest (created if missing), atomically."""
+    _refuse_onto(dest, sources)
     dest = Path(dest).resolve()
     total = CopyStats()
     start = dest if dest.exists() else None
