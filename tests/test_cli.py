@@ -88,6 +88,8 @@ def test_bad_files_are_one_line_and_untouched(tmp_path, capsys):
     assert main(["sweep", "--simulate", "gb300", "--spec", "smoke", "--db", str(notdb)]) == 4
     assert "is not a SQLite database" in capsys.readouterr().err
     assert notdb.read_text() == "hello"
+    assert main(["sweep", "--simulate", "gb300", "--spec", "smoke", "--db", str(tmp_path)]) == 4
+    assert "is a directory, not a database file" in capsys.readouterr().err  # was "disk I/O error"
     bad = tmp_path / "bad.toml"
     bad.write_text("[matrix")
     assert main(["plan", "--spec", str(bad)]) == 2

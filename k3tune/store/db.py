@@ -66,6 +66,8 @@ def check_sqlite_file(path: Path) -> None:
     Asked through SQLite itself, never with a plain open()/close() of the file: closing any descriptor of a
     database file drops every POSIX lock this process holds on it, and SQLite connections open elsewhere in
     the process would then lose their locks (and, in WAL mode, committed transactions)."""
+    if path.is_dir():
+        raise DatabaseError(f"{path} is a directory, not a database file")
     if not path.exists() or path.stat().st_size == 0:
         return
     try:
