@@ -65,11 +65,14 @@ class Choice:
 
 
 def shipped_db_for(fp: Fingerprint | None) -> Path | None:
-    if fp is None:
-        return None
-    hw = hardware.spec_for_device_name(fp.name)
-    path = tuning_db_dir() / f"{hw.key}.sqlite" if hw else None
-    return path if path and path.exists() else None
+    hw = hardware.spec_for_device_name(fp.name) if fp is not None else None
+    return _shipped_db(hw.key) if hw else None
+
+
+def _shipped_db(key: str) -> Path | None:
+    """The database shipped for the hardware of this key (e.g. 'h200'), where there is one."""
+    path = tuning_db_dir() / f"{key}.sqlite"
+    return path if path.exists() else None
 
 
 def _measured_fingerprint(db, name: str) -> tuple[Fingerprint | None, str]:
@@ -125,8 +128,7 @@ class Selector:
             if measured_on:
                 hw = hardware.spec(measured_on)
                 if db is None:  # the shipped one for that GPU
-                    shipped = tuning_db_dir() / f"{hw.key}.sqlite"
-                    db = settings.load().serve_db or (shipped if shipped.exists() else None)
+                    db = settings.load().serve_db or _shipped_db(hw.key)
                 found, unserved = _measured_fingerprint(db, hw.name) if db is not None else \
                     (None, f"no tuning database for {hw.name}")
                 fingerprint = found or fingerprint

@@ -175,8 +175,8 @@ def _refuse_onto(dest: str | os.PathLike, sources: list[Database]) -> None:
         return  # atomic_sqlite refuses it
     target = Path(dest).resolve()
     for src in sources:
-        if src.path is not None and (src.path.resolve() == target or target.exists() and src.path.exists()
-                                     and os.path.samefile(src.path, target)):
+        if src.path is not None and (src.path.resolve() == target or (target.exists() and src.path.exists()
+                                                                      and os.path.samefile(src.path, target))):
             raise DatabaseError(f"{dest} is also a source: write to another file")
 
 
