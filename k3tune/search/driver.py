@@ -316,17 +316,26 @@ def _run_phase(opt: SweepOptions, plan: plans.Plan, t_start: float) -> SweepStat
             opt.progress(stats)
 
     polishing = False  # a polish pass: more neighbours' winners, no TPE
+    distances: dict[tuple[str, str], float] = {}  # by problem keys: every pass ranks the same pairs again (a default
+    # GB300 sweep spent 200 of its 275 s of pass planning, with the workers idle, recomputing them)
+
+    def distance(q: plans.Problem, p: plans.Problem) -> float:
+        k = (q.key, p.key)
+        d = distances.get(k)
+        if d is None:
+            d = distances[k] = _neighbour_distance(q, p)
+        return d
 
     def near_winners(p: plans.Problem) -> list[tuple[plans.Problem, str, dict]]:
         """The problem's own stored winners (of older kernel versions), those of other ops of its shape and those
         of the nearest problems of its op."""
         mine = [n for n in neighbours.get(p.op, []) if n[0] == p]
         same_shape = sorted((n for n in twins.get((p.kind, p.dims), []) if n[0] != p), key=lambda n: n[0].op)
-        others = sorted((n for n in neighbours.get(p.op, []) if n[0] != p), key=lambda n: _neighbour_distance(n[0], p))
+        others = sorted((n for n in neighbours.get(p.op, []) if n[0] != p), key=lambda n: distance(n[0], p))
         if not polishing:
             return mine + same_shape + others[:2]
         at_m = sorted((n for n in same_m.get((p.kind, p.get("M")), []) if n[0].op != p.op and n[0].dims != p.dims),
-                      key=lambda n: (_neighbour_distance(n[0], p), n[0].op))
+                      key=lambda n: (distance(n[0], p), n[0].op))
         moved = []
         if opt.spec.search.local:  # the winner's one-knob neighbours (a hill climb over the passes)
             fams = {f.name: f for f in families_for(p, opt.backend, arch)}
