@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import statistics
 
 import torch
 from gemm import copy_bandwidth, floor_us, write_json  # bench/gemm.py (this script runs from bench/)
@@ -26,6 +25,7 @@ from k3tune.errors import K3TuneError
 from k3tune.kernels import family
 from k3tune.plan.problems import Problem
 from k3tune.search.measure_gpu import rotation_sets, time_graph
+from k3tune.search.outcome import summarize
 from k3tune.store.db import Database
 from k3tune.store.models import ProblemRow, Winner
 
@@ -66,11 +66,6 @@ def winners(path: str, patterns: list[str]) -> list[tuple[Problem, str, dict]]:
     return out
 
 
-def spread(times: list[float]) -> tuple[float, float]:
-    q = statistics.quantiles(times, n=4)
-    return statistics.median(times), q[2] - q[0]
-
-
 def time_both(fam, problem: Problem, params: dict, samples: int, reps: int) -> dict:
     """Correctness once (poisoned output), then ``reps`` x (old, queued) on one set of rotated inputs."""
     from k3tune.search.outcome import relative_error
@@ -88,8 +83,9 @@ def time_both(fam, problem: Problem, params: dict, samples: int, reps: int) -> d
     for _ in range(reps):
         old += time_graph(run, sets, samples, queued=False)
         new += time_graph(run, sets, samples, queued=True)
-    (om, oi), (nm, ni) = spread(old), spread(new)
-    return {"old_us": om, "old_iqr": oi, "queued_us": nm, "queued_iqr": ni, "queued_over_old": nm / om}
+    o, n = summarize(old), summarize(new)  # the median and IQR a sweep records
+    return {"old_us": o.median_us, "old_iqr": o.spread_us, "queued_us": n.median_us, "queued_iqr": n.spread_us,
+            "queued_over_old": n.median_us / o.median_us}
 
 
 def main() -> None:
