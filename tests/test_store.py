@@ -1,6 +1,7 @@
 """The tuning database: schema creation and checks, refusal of bad files, migrations, idempotent and
 concurrent writes (SQLite and PostgreSQL), export/merge/diff."""
 
+import contextlib
 import multiprocessing as mp
 import shutil
 import sqlite3
@@ -92,6 +93,30 @@ def test_upgrade_from_schema_0001(tmp_path):
         assert s.scalar(select(func.count()).select_from(Winner)) == 1
     assert (tmp_path / "old.sqlite.bak").exists()
     assert old.stat().st_mode & 0o777 == 0o644  # the upgraded copy took the original's permissions
+
+
+def test_upgrade_never_overwrites_a_backup_and_leaves_a_current_database_alone(tmp_path):
+    """A second upgrade once overwrote the .bak (the pre-upgrade original) with a copy of the upgraded file, even
+    when there was nothing to migrate."""
+    old = tmp_path / "old.sqlite"
+    shutil.copy(DATA / "schema_0001.sqlite", old)
+    store_db.upgrade(old)
+
+    def revision(path):
+        with contextlib.closing(sqlite3.connect(path)) as c:
+            return c.execute("SELECT version_num FROM alembic_version").fetchone()[0]
+
+    assert revision(tmp_path / "old.sqlite.bak") == "0001"
+    upgraded = old.read_bytes()
+    head = store_db.head_revision()
+    assert store_db.upgrade(old) == (head, head)
+    assert old.read_bytes() == upgraded
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["old.sqlite", "old.sqlite.bak"]
+    assert revision(tmp_path / "old.sqlite.bak") == "0001"
+    shutil.copy(DATA / "schema_0001.sqlite", old)  # another old database at the same path
+    store_db.upgrade(old)
+    assert revision(old) == head
+    assert revision(tmp_path / "old.sqlite.bak") == revision(tmp_path / "old.sqlite.bak.1") == "0001"
 
 
 def test_a_params_key_of_a_whole_block_knob_set_is_stored(any_db_url):

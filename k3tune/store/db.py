@@ -208,17 +208,31 @@ def _short(e: Exception) -> str:
     return msg[:300]
 
 
+def backup_path(path: Path) -> Path:
+    """The first of ``path``.bak, .bak.1, .bak.2, ... that does not exist: an upgrade never overwrites the original
+    an earlier upgrade kept."""
+    candidate, n = Path(f"{path}.bak"), 0
+    while candidate.exists():
+        n += 1
+        candidate = Path(f"{path}.bak.{n}")
+    return candidate
+
+
 def open_db(target: str | os.PathLike, **kw) -> Database:
     return Database(target, **kw)
 
 
 def upgrade(target: str | os.PathLike) -> tuple[str | None, str]:
     """Migrate a database to the current schema. A SQLite file is upgraded on a copy that then replaces it
-    (the original kept as .bak), so a failed migration leaves it untouched."""
+    (the original kept as .bak, or .bak.1, ... where an earlier backup exists), so a failed migration leaves it
+    untouched. A database already at the current schema is left alone, and no backup is made."""
     db = Database(target, create=False, check_schema=False)
     before = db.revision()
     if before is not None and before not in known_revisions():
         raise SchemaError(f"database schema {before} is newer than this k3tune understands: upgrade k3tune")
+    if before == head_revision():
+        db.dispose()
+        return before, before
     if db.path is None:
         db.migrate()
         return before, db.revision()
@@ -236,7 +250,7 @@ def upgrade(target: str | os.PathLike) -> tuple[str | None, str]:
         copy.migrate()
         after = copy.revision()
         copy.dispose()
-        shutil.copy2(db.path, str(db.path) + ".bak")
+        shutil.copy2(db.path, backup_path(db.path))
         shutil.copymode(db.path, tmp)  # the upgraded file keeps the original's permissions (mkstemp's are 0600)
         os.replace(tmp, db.path)
     finally:
