@@ -49,8 +49,13 @@ def lookup(
         print_json({"deployment": dict(tp=tp, batch=batch, draft=draft, dcp=dcp, context=sel.context_bucket(context)),
                     "db": db or "shipped", "table_hash": sel.hash, "warnings": sel.warnings, "ops": [c.as_dict() for c in choices.values()]})
         return
-    t = Table("op", "kernel", "knobs", "source", "time us", title=f"tp {tp} batch {batch} draft {draft} dcp {dcp} "
+    t = Table(title=f"tp {tp} batch {batch} draft {draft} dcp {dcp} "
               f"context {sel.context_bucket(context)} (db {db or 'shipped'}, table {sel.hash})")
+    for name in ("op", "kernel"):  # names whole on a narrow terminal: the knobs wrap instead
+        t.add_column(name, no_wrap=True)
+    t.add_column("knobs")
+    t.add_column("source")
+    t.add_column("time us", no_wrap=True)
     for c in choices.values():
         knobs = " ".join(f"{k}={v}" for k, v in c.params) or "-"
         t.add_row(c.op, c.family, escape(knobs), escape(c.source), f"{c.median_us:.2f}" if c.median_us else "-")
