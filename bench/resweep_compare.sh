@@ -31,6 +31,7 @@ if [ -n "${TESTS:-}" ]; then
 fi
 if [ -n "${START_DB:-}" ]; then  # resume a sweep cut short: its DB (xz) with every committed trial
   xz -dc "$START_DB" > /tmp/sweep.sqlite || exit 1
+  python3 -m k3tune db upgrade /tmp/sweep.sqlite || exit 1  # one saved under an older schema (a no-op otherwise)
 else
   cp tuning_db/h200.sqlite /tmp/sweep.sqlite
 fi

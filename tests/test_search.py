@@ -506,6 +506,8 @@ def test_stored_trials_are_reused_only_when_timed_the_same_way(db_path, same_met
         rows = s.scalars(select(Trial).where(Trial.family == fam.name, Trial.round == 0)).all()
     assert sorted(r.method for r in rows) == sorted({method, method_digest("simulated")})
     assert any(r.median_us == 99.0 for r in rows)  # the old row is kept as it was
+    with db.session() as s:  # the winner records how its trials were timed (schema 0005)
+        assert s.scalar(select(Winner.method)) == method_digest("simulated")
 
 
 def _count(db_path):
@@ -971,3 +973,32 @@ def test_redo_problems_makes_the_next_sweep_decide_them_again_from_their_winners
     assert third.problems_done_before == 2 and third.problems_done == 2
     for k in stale:
         assert won[k] in warm_of[k], (k, warm_of.get(k))
+
+
+def test_winner_methods_backfills_only_winners_whose_own_trial_is_found(tmp_path):
+    """bench/winner_methods.py: a winner stored before schema 0005 (method "") takes the method of the sweep trial it
+    was decided from (same problem, kernel, knobs and median), and nothing else is guessed: a winner whose trial is
+    not in the sweep database stays unknown."""
+    import importlib.util
+    import sqlite3
+
+    from k3tune.store import transfer
+
+    root = Path(__file__).resolve().parent.parent
+    mod = importlib.util.spec_from_file_location("winner_methods", root / "bench" / "winner_methods.py")
+    winner_methods = importlib.util.module_from_spec(mod)
+    mod.loader.exec_module(winner_methods)
+    sweep = tmp_path / "sweep.sqlite"
+    sp = spec.from_dict({"matrix": {"tp": [16], "batch": [1, 8], "ops": ["kda.o_proj"]},
+                         "buckets": {"tokens": [1, 8], "batch": [1, 8], "query_len": [1]},
+                         "search": {"budget": 4, "samples": 3, "remeasure_top": 1}})
+    run_sweep(_opts(store_db.open_db(str(sweep)), sp))
+    shipped = tmp_path / "ship.sqlite"
+    transfer.export(store_db.open_db(str(sweep)), shipped)
+    with sqlite3.connect(shipped) as c:  # as a pre-0005 winner reads after `db upgrade`
+        c.execute("UPDATE winners SET method = ''")
+        c.execute("UPDATE winners SET median_us = median_us * 2 WHERE problem_id = (SELECT MIN(problem_id) FROM winners)")
+    done = winner_methods.backfill(str(shipped), [str(sweep)])
+    assert done == {"kda.o_proj": 1, "(unknown) kda.o_proj": 1}
+    methods = sorted(m for (m,) in sqlite3.connect(shipped).execute("SELECT method FROM winners"))
+    assert methods == ["", method_digest("simulated")]

@@ -167,11 +167,11 @@ def test_sixteen_concurrent_writers_lose_nothing(any_db_url):
         assert s.scalar(select(func.count()).select_from(Trial)) == 16 * 40
 
 
-def _winner(db, hw, pid, median, family="gemm.cublas"):
+def _winner(db, hw, pid, median, family="gemm.cublas", method=""):
     with db.session() as s:
         records.save_winner(s, hardware_id=hw, problem_id=pid, op_digest="od", backend=Backend.simulated, family=family,
                             family_digest="fd", params={}, median_us=median, spread_us=0.01, default_us=None, ties=[],
-                            trials=3, run_id=None, origin="")
+                            trials=3, run_id=None, origin="", method=method)
 
 
 def test_export_merge_diff(tmp_path):
@@ -201,6 +201,30 @@ def test_export_merge_diff(tmp_path):
         assert (w.family, w.median_us) == ("gemm.smallm", 4.0) and "b.sqlite" in w.origin
     d = inspect.diff(b, a)
     assert d["counts"] == {"regression": 1}
+
+
+def test_winners_keep_their_timing_method_and_diff_says_where_it_differs(tmp_path):
+    """s29: re-deciding the dense table with the queued timing made `db diff` report 87 "improvements" that were the
+    measurer's 2-5%, not faster kernels. A winner records its trials' method; export and merge keep it; diff marks the
+    problems whose winners were timed differently (unknown, "", is never "different")."""
+    a, hw, pid, _ = _setup(tmp_path / "a.sqlite")
+    _winner(a, hw, pid, 5.0, method="m-old")
+    b, hw_b, pid_b, _ = _setup(tmp_path / "b.sqlite")
+    _winner(b, hw_b, pid_b, 4.0, method="m-new")
+    transfer.export(b, tmp_path / "ship.sqlite")
+    ship = store_db.open_db(tmp_path / "ship.sqlite")
+    with ship.session() as s:
+        assert s.scalar(select(Winner.method)) == "m-new"
+    transfer.merge(tmp_path / "all.sqlite", [a, b])
+    with store_db.open_db(tmp_path / "all.sqlite").session() as s:
+        assert s.execute(select(Winner.median_us, Winner.method)).one() == (4.0, "m-new")
+    d = inspect.diff(a, ship)
+    assert d["counts"] == {"improvement": 1} and d["timed_differently"] == 1
+    assert d["rows"][0]["timing"] == "differs"
+    c, hw_c, pid_c, _ = _setup(tmp_path / "c.sqlite")
+    _winner(c, hw_c, pid_c, 5.0)  # a winner from before schema 0005: method unknown
+    d = inspect.diff(c, ship)
+    assert d["timed_differently"] == 0 and d["rows"][0]["timing"] == "same"
 
 
 def test_failed_merge_leaves_target_untouched(tmp_path):

@@ -121,11 +121,16 @@ def diff(a: Annotated[str, typer.Argument(help="Baseline database.")],
         print_json(d)
     else:
         console.print(f"changes: {d['counts']}")
-        t = Table("change", "problem", "a us", "b us", "ratio")
+        if d["timed_differently"]:
+            console.print(f"note: the winners of {d['timed_differently']} problems were timed by different methods "
+                          "(a changed measurer or the libraries it times through): their times differ by the "
+                          "measurer too (rows marked 'timed differently')")
+        t = Table("change", "problem", "a us", "b us", "ratio", "note")
         for r in d["rows"][:200]:
             style = "red" if r["change"] == "regression" else None
             t.add_row(r["change"], escape(r["problem"]), f"{r['a']:.2f}" if r.get("a") else "-",
-                      f"{r['b']:.2f}" if r.get("b") else "-", str(r.get("ratio", "-")), style=style)
+                      f"{r['b']:.2f}" if r.get("b") else "-", str(r.get("ratio", "-")),
+                      "timed differently" if r.get("timing") == "differs" else "", style=style)
         console.print(t)
     if d["counts"].get("regression"):
         raise typer.Exit(1)

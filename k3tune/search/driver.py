@@ -371,7 +371,7 @@ def _run_phase(opt: SweepOptions, plan: plans.Plan, t_start: float) -> SweepStat
                 records.save_winner(s, hardware_id=hw_id, problem_id=pid, op_digest=digests[p.op], backend=label,
                                     family=d.family, family_digest=fam_digests[d.family], params=d.params,
                                     median_us=d.median_us, spread_us=d.spread_us, default_us=d.default_us,
-                                    ties=d.ties, trials=d.trials, run_id=run_id, origin="")
+                                    ties=d.ties, trials=d.trials, run_id=run_id, origin="", method=method)
             records.finish_claim(s, hw_id, label, pid, wanted[pid])
         if not d.family:
             stats.no_winner.append(p.key)
@@ -545,7 +545,8 @@ def _tune_collectives(problems: list[plans.Problem], pids: dict, opt: SweepOptio
                                         family=fam.name, family_digest=fam.digest, params=params[p][win],
                                         median_us=outs[win].median_us, spread_us=outs[win].spread_us,
                                         default_us=outs[default].median_us if outs[default].status == "ok" else None,
-                                        ties=0, trials=len(outs), run_id=run_id, origin="")
+                                        ties=0, trials=len(outs), run_id=run_id, origin="",
+                                        method=method_digest("collective"))
                 records.finish_claim(s, hw_id, label, pid, digests[p.op])
             stats.trials += len(outs)
             stats.failed += sum(o.status != "ok" for o in outs.values())

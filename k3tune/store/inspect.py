@@ -104,13 +104,16 @@ def _winner_map(db: Database) -> dict[tuple, dict]:
         rows = s.execute(select(Winner, ProblemRow.key, Hardware.class_key).join(ProblemRow, ProblemRow.id == Winner.problem_id)
                          .join(Hardware, Hardware.id == Winner.hardware_id)).all()
     return {(hw, key, w.backend.value): dict(family=w.family, params=w.params, median_us=w.median_us,
-                                             spread_us=w.spread_us, op_digest=w.op_digest) for w, key, hw in rows}
+                                             spread_us=w.spread_us, op_digest=w.op_digest, method=w.method)
+            for w, key, hw in rows}
 
 
 def diff(a: Database, b: Database) -> dict:
-    """Problem by problem: a winner whose time in b exceeds a's by more than both spreads and 3% regresses."""
+    """Problem by problem: a winner whose time in b exceeds a's by more than both spreads and 3% regresses.
+    ``timed_differently`` counts the compared problems whose winners were timed by different methods (both known):
+    their times differ by the measurer too, and their rows say so (``timing``)."""
     wa, wb = _winner_map(a), _winner_map(b)
-    rows, counts = [], Counter()
+    rows, counts, timed_differently = [], Counter(), 0
     for k in sorted(set(wa) | set(wb)):
         x, y = wa.get(k), wb.get(k)
         if x is None or y is None:
@@ -124,8 +127,10 @@ def diff(a: Database, b: Database) -> dict:
         change = "regression" if ratio > 1 + margin else "improvement" if ratio < 1 - margin else \
             ("changed" if (x["family"], x["params"]) != (y["family"], y["params"]) else "same")
         counts[change] += 1
+        differs = bool(x["method"] and y["method"] and x["method"] != y["method"])
+        timed_differently += differs
         if change != "same":
             rows.append(dict(hardware=k[0], problem=k[1], backend=k[2], change=change, a=x["median_us"],
                              b=y["median_us"], ratio=round(ratio, 4), a_kernel=f"{x['family']} {x['params']}",
-                             b_kernel=f"{y['family']} {y['params']}"))
-    return {"counts": dict(counts), "rows": rows}
+                             b_kernel=f"{y['family']} {y['params']}", timing="differs" if differs else "same"))
+    return {"counts": dict(counts), "timed_differently": timed_differently, "rows": rows}

@@ -137,6 +137,9 @@ class Winner(Base):
     trials: Mapped[int] = mapped_column(Integer)
     run_id: Mapped[int | None] = mapped_column(ForeignKey("runs.id"), nullable=True)
     origin: Mapped[str] = mapped_column(String(300), default="")  # provenance after a merge
+    # how the trials it was decided from were timed (search/method.py), "" where unknown (before schema 0005):
+    # two winners timed differently differ by the measurer too (s29: the queued replays read 2-5% lower)
+    method: Mapped[str] = mapped_column(String(32), default="")
     created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
 
 

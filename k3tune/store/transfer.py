@@ -121,7 +121,7 @@ class _IdMap:
 
 
 WINNER_COLS = ("family", "family_digest", "params", "median_us", "spread_us", "default_us",
-               "ties", "trials", "created_at")
+               "ties", "trials", "method", "created_at")
 TRIAL_COLS = ("family", "family_digest", "variant", "params", "params_key", "round", "status", "backend", "median_us",
               "spread_us", "samples", "compile_s", "error", "routing", "method", "created_at")
 
