@@ -57,7 +57,8 @@ def redo(path: str, patterns: list[str], seeds_from: str | None = None) -> int:
 
 def _current_winners(path: str, patterns: list[str]) -> list[tuple[str, str, dict]]:
     """(hardware digest, problem key, the winner's values) of the current winners whose key matches."""
-    keep = ("backend", "family", "family_digest", "params", "median_us", "spread_us", "default_us", "ties", "trials", "method")
+    keep = ("backend", "family", "family_digest", "params", "median_us", "spread_us", "default_us", "ties", "trials",
+            "method")
     with Database(path, create=False).session() as s:
         rows = s.execute(select(Winner, ProblemRow.key, ProblemRow.op, Hardware.digest)
                          .join(ProblemRow, ProblemRow.id == Winner.problem_id)

@@ -26,7 +26,8 @@ def _key(problem: str, family: str, params: dict, median: float) -> tuple:
 def trial_methods(path: str) -> dict[tuple, set[str]]:
     """(problem key, family, params, median) of every ok trial with a known method -> its methods."""
     out: dict[tuple, set[str]] = {}
-    with Database(path, create=False, readonly=True, check_schema=False).session() as s:  # any schema with trials.method (0003+)
+    db = Database(path, create=False, readonly=True, check_schema=False)  # any schema with trials.method (0003+)
+    with db.session() as s:
         rows = s.execute(select(ProblemRow.key, Trial.family, Trial.params, Trial.median_us, Trial.method)
                          .join(ProblemRow, ProblemRow.id == Trial.problem_id)
                          .where(Trial.status == TrialStatus.ok, Trial.method != ""))

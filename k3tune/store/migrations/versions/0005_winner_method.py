@@ -1,6 +1,6 @@
 """How each winner was timed: winners.method, the method digest of the trials it was decided from
-(search/method.py), so that `db diff` and `db merge` can tell a faster kernel from a changed measurer.
-"" where unknown (winners recorded before schema 0005).
+(search/method.py), so that `db diff` can tell a faster kernel from a changed measurer; export and merge keep
+it. "" where unknown (winners recorded before schema 0005).
 
 Revision ID: 0005
 Revises: 0004
