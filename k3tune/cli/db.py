@@ -112,7 +112,7 @@ def diff(a: Annotated[str, typer.Argument(help="Baseline database.")],
          b: Annotated[str, typer.Argument(help="Database to compare.")],
          json: JsonOption = False) -> None:
     """Compare two databases problem by problem; regressions (slower beyond the spread) are flagged and
-    make the exit code 1.
+    make the exit code 1. Problems whose winners were timed by different methods are marked.
 
     Example: k3tune db diff tuning_db/h200.sqlite k3tune.sqlite
     """
