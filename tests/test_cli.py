@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from k3tune.cli import app, main
+from k3tune.search.method import method_digest
 
 COMMANDS = [[], ["sweep"], ["plan"], ["lookup"], ["db"], ["db", "show"], ["db", "verify"], ["db", "export"],
             ["db", "merge"], ["db", "diff"], ["db", "upgrade"]]
@@ -33,6 +34,7 @@ def test_sweep_show_lookup_verify_roundtrip(tmp_path, capsys):
     assert main(["db", "show", db, "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert sum(info["winners_by_op"].values()) == 48 and info["hardware"][0]["simulated"]
+    assert info["winners_by_method"] == {method_digest("simulated"): 48}  # every winner says how it was timed
 
     assert main(["lookup", "--tp", "16", "--batch", "8", "--draft", "1", "--db", db, "--simulate", "gb300", "--json"]) == 0
     look = json.loads(capsys.readouterr().out)

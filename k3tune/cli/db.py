@@ -24,7 +24,7 @@ def _open(target: str | None, **kw) -> store_db.Database:
 
 @app.command()
 def show(db: DbArg = None, json: JsonOption = False) -> None:
-    """Summarise a database: hardware, runs, trials by status, winners by op.
+    """Summarise a database: hardware, runs, trials by status, winners by op and by timing method.
 
     Example: k3tune db show tuning_db/h200.sqlite
     """
@@ -36,6 +36,7 @@ def show(db: DbArg = None, json: JsonOption = False) -> None:
     for h in info["hardware"]:
         console.print(f"  hardware: {h['name']} cc {h['cc']} {h['sms']} SMs{' (simulated)' if h['simulated'] else ''}")
     console.print(f"  trials: {info['trials']}")
+    console.print(f"  winners by timing method: {info['winners_by_method']}")
     t = Table("op", "winners")
     for op, n in sorted(info["winners_by_op"].items()):
         t.add_row(op, str(n))

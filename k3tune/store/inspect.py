@@ -34,10 +34,11 @@ def show(db: Database) -> dict:
         status = dict(s.execute(select(Trial.status, func.count()).group_by(Trial.status)).all())
         winners = dict(s.execute(select(ProblemRow.op, func.count()).join(Winner, Winner.problem_id == ProblemRow.id)
                                  .group_by(ProblemRow.op)).all())
+        methods = dict(s.execute(select(Winner.method, func.count()).group_by(Winner.method)).all())
         problems = s.scalar(select(func.count()).select_from(ProblemRow))
     return {"database": str(db.path or db.url), "schema": db.revision(), "hardware": hw, "runs": runs,
             "problems": problems, "trials": {k.value: v for k, v in status.items()},
-            "winners_by_op": winners}
+            "winners_by_op": winners, "winners_by_method": {m or "unknown": n for m, n in methods.items()}}
 
 
 @dataclass
