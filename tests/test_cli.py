@@ -236,3 +236,30 @@ def test_export_and_merge_refuse_to_overwrite_a_source_or_write_a_url(tmp_path, 
     assert main(["db", "export", str(db), "postgresql://u@h/k3tune"]) == 4
     assert "give a path" in capsys.readouterr().err
     assert not [p for p in tmp_path.rglob("*") if "postgresql" in str(p)]
+
+
+def test_export_replaces_an_earlier_export_but_not_a_sweep_database_or_another_file(tmp_path, capsys):
+    """`db export ship.sqlite sweep2.sqlite` (arguments swapped, or a name already taken by another sweep) silently
+    replaced that sweep's trials with winners; and any file at DEST (a README) was replaced. Now an existing DEST is
+    replaced only when it is an earlier export (re-shipping), or with --force."""
+    import sqlite3
+
+    sweep, other = tmp_path / "sweep.sqlite", tmp_path / "other.sqlite"
+    for db in (sweep, other):
+        assert main(["sweep", "--simulate", "gb300", "--spec", "smoke", "--db", str(db), "--json"]) == 0
+    capsys.readouterr()
+    trials = sqlite3.connect(other).execute("SELECT count(*) FROM trials").fetchone()[0]
+    ship = tmp_path / "ship.sqlite"
+    assert main(["db", "export", str(sweep), str(ship)]) == 0
+    assert main(["db", "export", str(sweep), str(ship)]) == 0  # an earlier export is replaced
+    capsys.readouterr()
+    assert main(["db", "export", str(sweep), str(other)]) == 4
+    assert f"holds {trials} trials" in capsys.readouterr().err
+    assert sqlite3.connect(other).execute("SELECT count(*) FROM trials").fetchone()[0] == trials
+    notes = tmp_path / "NOTES.md"
+    notes.write_text("lab notebook\n")
+    assert main(["db", "export", str(sweep), str(notes)]) == 4
+    assert "is not a tuning database" in capsys.readouterr().err
+    assert notes.read_text() == "lab notebook\n"
+    assert main(["db", "export", str(sweep), str(other), "--force"]) == 0
+    assert sqlite3.connect(other).execute("SELECT count(*) FROM trials").fetchone()[0] == 0

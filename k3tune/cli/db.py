@@ -79,12 +79,15 @@ def export(src: Annotated[str, typer.Argument(help="Database to export from.")],
            dest: Annotated[str, typer.Argument(help="SQLite file to write (replaced atomically).")],
            hardware: Annotated[str | None, typer.Option(help="Only hardware whose class key contains this, e.g. 'H200'.")] = None,
            stale: Annotated[bool, typer.Option(help="Also export winners whose kernels changed since tuning.")] = False,
+           force: Annotated[bool, typer.Option(help="Replace DEST even if it holds trials (a sweep's database).")] = False,
            json: JsonOption = False) -> None:
     """Write a compact, winners-only database to ship (temp file, then rename). Stale winners are left out.
+    An existing DEST is replaced only if it is an earlier export (no trials), unless --force.
 
     Example: k3tune db export k3tune.sqlite tuning_db/h200.sqlite --hardware H200
     """
-    st = transfer.export(_open(src, readonly=True), dest, hardware=hardware, keep=None if stale else inspect.is_current)
+    st = transfer.export(_open(src, readonly=True), dest, hardware=hardware, keep=None if stale else inspect.is_current,
+                         force=force)
     if json:
         print_json(vars(st))
     else:

@@ -13,7 +13,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from sqlalchemy import select
+from sqlalchemy import func, select
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from k3tune.errors import DatabaseError
@@ -180,11 +181,33 @@ def _refuse_onto(dest: str | os.PathLike, sources: list[Database]) -> None:
             raise DatabaseError(f"{dest} is also a source: write to another file")
 
 
+def _refuse_to_replace(dest: str | os.PathLike) -> None:
+    """An export replaces ``dest``: fine for an earlier export (winners only, re-shipped), bad input for a file that
+    is no tuning database or one holding trials (a sweep's record, which the export would lose)."""
+    if "://" in str(dest) or not Path(dest).exists():
+        return  # atomic_sqlite refuses a URL; a new file replaces nothing
+    try:
+        db = Database(dest, create=False, readonly=True, check_schema=False)
+        try:
+            with db.session() as s:
+                trials = s.scalar(select(func.count()).select_from(Trial))
+        finally:
+            db.dispose()
+    except (DatabaseError, SQLAlchemyError):
+        raise DatabaseError(f"{dest} exists and is not a tuning database: refusing to replace it") from None
+    if trials:
+        raise DatabaseError(f"{dest} holds {trials} trials (a sweep's database), which the export would replace: "
+                            "write to another file, or pass --force")
+
+
 def export(src: Database, dest: str | os.PathLike, *, hardware: str | None = None,
-           keep: Callable[[str, str, str], bool] | None = None) -> CopyStats:
+           keep: Callable[[str, str, str], bool] | None = None, force: bool = False) -> CopyStats:
     """A compact database holding winners with their provenance (hardware, software, runs, problems);
-    ``keep(op, op_digest, backend)`` drops winners the caller knows to be stale."""
+    ``keep(op, op_digest, backend)`` drops winners the caller knows to be stale. An existing ``dest`` is replaced
+    only if it is a database without trials (an earlier export), or with ``force``."""
     _refuse_onto(dest, [src])  # the export would replace the source with its winners: every trial lost
+    if not force:
+        _refuse_to_replace(dest)
     with atomic_sqlite(dest) as out:
         return copy_records(src, out, origin=str(src.path or src.url), trials=False, hardware=hardware, keep=keep)
 
