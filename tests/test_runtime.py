@@ -78,6 +78,28 @@ def test_corrupt_database_gives_defaults(tmp_path):
     assert any("cannot" in w for w in sel.warnings)
 
 
+def test_an_older_schema_is_served_with_a_note_and_a_newer_one_is_not(smoke_db, tmp_path):
+    """Upgrading k3tune (schema 0005 added winners.method) sent a server reading a 0004 database back to heuristic
+    defaults until someone ran `k3tune db upgrade`. The serving read uses columns every schema since 0001 has: an
+    older known schema is served as it is, with a note; a newer one still gives defaults with a warning."""
+    import shutil
+
+    old = tmp_path / "old.sqlite"
+    shutil.copy(smoke_db, old)
+    with sqlite3.connect(old) as c:  # what a 0004 database looks like: no winners.method
+        c.execute("ALTER TABLE winners DROP COLUMN method")
+        c.execute("UPDATE alembic_version SET version_num = '0004'")
+    sel = Selector.load(old, simulated="gb300")
+    assert sel.lookup("kda.o_proj", 16, 8).source == "simulated"
+    assert [w for w in sel.warnings if "schema 0004 is older than" in w and "k3tune db upgrade" in w], sel.warnings
+    with sqlite3.connect(old) as c:
+        c.execute("UPDATE alembic_version SET version_num = '0099'")
+    sel = Selector.load(old, simulated="gb300")
+    assert sel.lookup("kda.o_proj", 16, 8).source == "heuristic default"
+    assert [w for w in sel.warnings if "newer than this k3tune" in w], sel.warnings
+    assert not [w for w in Selector.load(smoke_db, simulated="gb300").warnings if "older than" in w]
+
+
 def test_stale_digest_and_out_of_space_winners_are_not_served(smoke_db, tmp_path):
     path = tmp_path / "edited.sqlite"
     src, dst = sqlite3.connect(smoke_db), sqlite3.connect(path)

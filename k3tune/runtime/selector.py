@@ -32,7 +32,7 @@ from k3tune.plan import hardware, model as models, problems as plans, spec as sp
 from k3tune.plan.hardware import Fingerprint
 from k3tune.plan.spec import MAX_BATCH, MAX_DRAFT
 from k3tune.shipped import tuning_db_dir
-from k3tune.store.db import Database
+from k3tune.store.db import open_for_serving
 from k3tune.store.models import Backend, Hardware
 from k3tune.store.records import read_winners
 
@@ -79,7 +79,7 @@ def _measured_fingerprint(db, name: str) -> tuple[Fingerprint | None, str]:
     """The fingerprint of the first measured (not simulated) hardware in db whose name contains ``name``; where
     there is none, why."""
     try:
-        d = Database(db, readonly=True, create=False)
+        d, _ = open_for_serving(db)  # an older schema's note is given when its winners are read
         try:
             with d.session() as s:
                 h = s.scalars(select(Hardware).where(Hardware.simulated.is_(False), Hardware.name.contains(name))).first()
@@ -170,10 +170,12 @@ class Selector:
 
     def _read(self, path, fp: Fingerprint) -> None:
         try:
-            db = Database(path, readonly=True, create=False)
+            db, note = open_for_serving(path)
         except DatabaseError as e:
             self._warn(f"cannot use tuning database: {e}; serving heuristic defaults")
             return
+        if note:
+            self._warn(note)
         label = Backend.simulated if fp.simulated else Backend.measured
         try:
             hw_rows, rows = read_winners(db, fp.class_key, label)

@@ -222,6 +222,28 @@ def open_db(target: str | os.PathLike, **kw) -> Database:
     return Database(target, **kw)
 
 
+def open_for_serving(target: str | os.PathLike) -> tuple[Database, str]:
+    """A database the serving path reads (``records.read_winners``, the hardware rows), and a note. Those columns
+    exist in every schema since 0001, so an older known schema is served as it is, with a note to upgrade it:
+    upgrading k3tune must not send a server back to heuristic defaults until someone runs ``k3tune db upgrade``.
+    An empty database or a newer schema is refused (SchemaError)."""
+    db = Database(target, create=False, readonly=True, check_schema=False)
+    head = head_revision()
+    try:
+        rev = db.revision()
+        if rev is None:
+            raise SchemaError(f"{db.path or db.url}: no k3tune schema")
+        if rev != head and rev not in known_revisions():
+            raise SchemaError(f"database schema {rev} is newer than this k3tune understands (head {head}): "
+                              "upgrade k3tune")
+    except DatabaseError:
+        db.dispose()
+        raise
+    note = "" if rev == head else (f"{db.path or db.url}: schema {rev} is older than {head}; its winners are served "
+                                   f"as they are (`k3tune db upgrade {db.path or db.url}` brings it up to date)")
+    return db, note
+
+
 def upgrade(target: str | os.PathLike) -> tuple[str | None, str]:
     """Migrate a database to the current schema. A SQLite file is upgraded on a copy that then replaces it
     (the original kept as .bak, or .bak.1, ... where an earlier backup exists), so a failed migration leaves it
