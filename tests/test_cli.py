@@ -242,24 +242,39 @@ def test_export_replaces_an_earlier_export_but_not_a_sweep_database_or_another_f
     """`db export ship.sqlite sweep2.sqlite` (arguments swapped, or a name already taken by another sweep) silently
     replaced that sweep's trials with winners; and any file at DEST (a README) was replaced. Now an existing DEST is
     replaced only when it is an earlier export (re-shipping), or with --force."""
+    import contextlib
+    import gc
     import sqlite3
+
+    def count(path):
+        with contextlib.closing(sqlite3.connect(path)) as c:
+            return c.execute("SELECT count(*) FROM trials").fetchone()[0]
 
     sweep, other = tmp_path / "sweep.sqlite", tmp_path / "other.sqlite"
     for db in (sweep, other):
         assert main(["sweep", "--simulate", "gb300", "--spec", "smoke", "--db", str(db), "--json"]) == 0
     capsys.readouterr()
-    trials = sqlite3.connect(other).execute("SELECT count(*) FROM trials").fetchone()[0]
+    trials = count(other)
     ship = tmp_path / "ship.sqlite"
     assert main(["db", "export", str(sweep), str(ship)]) == 0
     assert main(["db", "export", str(sweep), str(ship)]) == 0  # an earlier export is replaced
     capsys.readouterr()
     assert main(["db", "export", str(sweep), str(other)]) == 4
     assert f"holds {trials} trials" in capsys.readouterr().err
-    assert sqlite3.connect(other).execute("SELECT count(*) FROM trials").fetchone()[0] == trials
+    assert count(other) == trials
     notes = tmp_path / "NOTES.md"
     notes.write_text("lab notebook\n")
     assert main(["db", "export", str(sweep), str(notes)]) == 4
     assert "is not a tuning database" in capsys.readouterr().err
     assert notes.read_text() == "lab notebook\n"
+    held = sqlite3.connect(other)  # a database open elsewhere (its WAL live) is not replaced under its reader
+    held.execute("PRAGMA journal_mode=WAL")
+    held.execute("BEGIN")
+    held.execute("SELECT count(*) FROM trials").fetchone()
+    assert main(["db", "export", str(sweep), str(other), "--force"]) == 4
+    assert "is open elsewhere" in capsys.readouterr().err
+    held.close()
+    gc.collect()  # the in-process sweeps' engines
     assert main(["db", "export", str(sweep), str(other), "--force"]) == 0
-    assert sqlite3.connect(other).execute("SELECT count(*) FROM trials").fetchone()[0] == 0
+    assert count(other) == 0  # read through no stale WAL (s29: "database disk image is malformed")
+    assert not Path(f"{other}-wal").exists()

@@ -227,6 +227,33 @@ def test_winners_keep_their_timing_method_and_diff_says_where_it_differs(tmp_pat
     assert d["timed_differently"] == 0 and d["rows"][0]["timing"] == "same"
 
 
+def test_export_over_a_database_left_with_its_wal_folds_it_first(tmp_path):
+    """A WAL-mode database whose writer died leaves -wal and -shm beside it. Replacing only the main file let SQLite
+    read that old WAL into the new file ("database disk image is malformed", s29); the WAL is folded and the file
+    leaves WAL mode before it is replaced."""
+    import contextlib
+
+    a, hw, pid, _ = _setup(tmp_path / "a.sqlite")
+    _winner(a, hw, pid, 5.0)
+    live = tmp_path / "live.sqlite"
+    writer = sqlite3.connect(live)
+    writer.execute("PRAGMA journal_mode=WAL")
+    writer.execute("PRAGMA wal_autocheckpoint=0")
+    writer.execute("CREATE TABLE junk (x)")
+    writer.executemany("INSERT INTO junk VALUES (?)", [(i,) for i in range(2000)])
+    writer.commit()
+    crashed = tmp_path / "crashed.sqlite"  # what a killed writer leaves: the file and its unfolded WAL
+    for suffix in ("", "-wal"):
+        shutil.copy(f"{live}{suffix}", f"{crashed}{suffix}")
+    writer.close()
+    assert Path(f"{crashed}-wal").stat().st_size > 0
+    transfer.export(a, crashed, force=True)
+    assert not Path(f"{crashed}-wal").exists()
+    with contextlib.closing(sqlite3.connect(crashed)) as c:
+        assert c.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+        assert c.execute("SELECT median_us FROM winners").fetchone()[0] == 5.0
+
+
 def test_failed_merge_leaves_target_untouched(tmp_path):
     a, *_ = _setup(tmp_path / "a.sqlite")
     target = tmp_path / "target.sqlite"
