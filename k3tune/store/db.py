@@ -49,6 +49,12 @@ def known_revisions() -> list[str]:
     return [s.revision for s in ScriptDirectory.from_config(_alembic_config()).walk_revisions()]
 
 
+def newer_schema(rev: str) -> SchemaError:
+    """The error for a database whose schema this k3tune does not know (written by a newer one)."""
+    return SchemaError(f"database schema {rev} is newer than this k3tune understands (head {head_revision()}): "
+                       "upgrade k3tune")
+
+
 def to_url(target: str | os.PathLike) -> tuple[str, Path | None]:
     """A path becomes a SQLite URL; a URL stays as it is. Returns (url, sqlite path or None)."""
     s = str(target)
@@ -162,7 +168,7 @@ class Database:
             return
         if rev in known_revisions():
             raise SchemaError(f"database schema {rev} is older than {head}: run `k3tune db upgrade {self.path or self.url}`")
-        raise SchemaError(f"database schema {rev} is newer than this k3tune understands (head {head}): upgrade k3tune")
+        raise newer_schema(rev)
 
     def migrate(self, revision: str = "head") -> None:
         from alembic import command
@@ -234,8 +240,7 @@ def open_for_serving(target: str | os.PathLike) -> tuple[Database, str]:
         if rev is None:
             raise SchemaError(f"{db.path or db.url}: no k3tune schema")
         if rev != head and rev not in known_revisions():
-            raise SchemaError(f"database schema {rev} is newer than this k3tune understands (head {head}): "
-                              "upgrade k3tune")
+            raise newer_schema(rev)
     except DatabaseError:
         db.dispose()
         raise
@@ -251,7 +256,7 @@ def upgrade(target: str | os.PathLike) -> tuple[str | None, str]:
     db = Database(target, create=False, check_schema=False)
     before = db.revision()
     if before is not None and before not in known_revisions():
-        raise SchemaError(f"database schema {before} is newer than this k3tune understands: upgrade k3tune")
+        raise newer_schema(before)
     if before == head_revision():
         db.dispose()
         return before, before
