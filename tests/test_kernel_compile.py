@@ -68,7 +68,8 @@ def test_splitk_tma_compiles(arch):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         for knobs in TMA_SAMPLE:
-            assert gemm_splitk_tma.compiled(*knobs, arch) is not None, knobs
+            for feed in (0, 1):  # gemm.splitk_tma, gemm.splitk_ldsm
+                assert gemm_splitk_tma.compiled(*knobs, arch, feed) is not None, (knobs, feed)
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])

@@ -45,6 +45,7 @@ def smem_bytes(cfg: SplitKConfig) -> int:
 class SplitKTmaGemm(SplitKClusterGemm):
     name = "gemm.splitk_tma"
     priority = 43
+    feed = 0  # TMA
     depends_on = ("k3tune.kernels.gemm_common", "k3tune.kernels.gemm_splitk_tc", "k3tune.kernels.gemm_splitk_cluster")
 
     def can_implement(self, problem: Problem) -> bool:
@@ -87,7 +88,7 @@ class SplitKTmaGemm(SplitKClusterGemm):
         from cutlass.cute.runtime import from_dlpack
 
         fn = compiled(cfg.m_tiles, cfg.warps_n, cfg.warps_k, cfg.tile_m, cfg.split_k, cfg.bk, cfg.stages, cfg.pdl,
-                      current_arch())
+                      current_arch(), self.feed)
 
         def run(inputs: dict):
             x = (from_dlpack(inputs["x"], assumed_align=16).mark_compact_shape_dynamic(mode=0)
@@ -103,7 +104,7 @@ class SplitKTmaGemm(SplitKClusterGemm):
 
 @functools.cache
 def compiled(m_tiles: int, warps_n: int, warps_k: int, tile_m: int, split: int, bk: int, stages: int, pdl: int,
-             arch: str):
+             arch: str, feed: int = 0):
     """Compile once per knob set and arch; M, N and K are dynamic. Never call inside a capture."""
     import os
 
@@ -116,7 +117,7 @@ def compiled(m_tiles: int, warps_n: int, warps_k: int, tile_m: int, split: int, 
     x = make_fake_compact_tensor(BFloat16, (m, k), stride_order=(1, 0), assumed_align=16)
     w = make_fake_compact_tensor(BFloat16, (n, k), stride_order=(1, 0), assumed_align=16)
     y = make_fake_compact_tensor(BFloat16, (m, n), stride_order=(1, 0), assumed_align=16)
-    kernel = _kernel_class()(m_tiles, warps_n, warps_k, tile_m, split, bk, stages, 0, pdl)
+    kernel = _kernel_class()(m_tiles, warps_n, warps_k, tile_m, split, bk, stages, pdl, feed)
     return cute.compile(kernel, x, w, y, make_fake_stream(), options=f"--gpu-arch {arch}")
 
 
@@ -148,6 +149,10 @@ def _kernel_class():
         return [Int32(llvm.extractvalue(T.i32(), res, [e], loc=loc, ip=ip)) for e in range(4)]
 
     class SplitKTmaKernel(gemm_splitk_cluster._kernel_class()):
+        def __init__(self, m_tiles, warps_n, warps_k, tile_m, split, bk, stages, pdl, feed):
+            super().__init__(m_tiles, warps_n, warps_k, tile_m, split, bk, stages, 0, pdl)
+            self.feed = feed  # 0: TMA by one thread, 1: cp.async by every thread
+
         @cute.jit
         def __call__(self, mX: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor, stream: cuda.CUstream):
             tile = (self.rows, self.tm, self.bk)
@@ -174,12 +179,13 @@ def _kernel_class():
             m = mX.shape[0]
             n = mW.shape[0]
             grid = ((n + self.rows - 1) // self.rows, (m + self.tm - 1) // self.tm, self.split)
-            self.kernel(tma_w, tW, tma_x, tX, mY, a_staged, b_staged).launch(
+            self.kernel(tma_w, tW, tma_x, tX, mW, mX, mY, a_staged, b_staged).launch(
                 grid=grid, block=(self.threads, 1, 1), cluster=[1, 1, self.split], stream=stream, use_pdl=self.pdl)
 
         @cute.kernel
         def kernel(self, tma_w: cute.CopyAtom, mW: cute.Tensor, tma_x: cute.CopyAtom, mX: cute.Tensor,
-                   mY: cute.Tensor, a_staged: cute.ComposedLayout, b_staged: cute.ComposedLayout):
+                   mWr: cute.Tensor, mXr: cute.Tensor, mY: cute.Tensor, a_staged: cute.ComposedLayout,
+                   b_staged: cute.ComposedLayout):
             MT, NT, WN, WK, S, P = self.mt, self.nt, self.wn, self.wk, self.split, self.stages
             ROWS, TM, BK = self.rows, self.tm, self.bk
             CPW = self.kc // WK  # 32-wide K chunks per K warp per stage
@@ -199,11 +205,12 @@ def _kernel_class():
             tok0 = bidy * TM
             nacc = 4 * MT * NT
 
-            if cutlass.const_expr(self.pdl):
+            if cutlass.const_expr(self.pdl and self.feed == 0):
                 cute.arch.griddepcontrol_launch_dependents()
-            if warp == 0:
-                cpasync.prefetch_descriptor(tma_w)
-                cpasync.prefetch_descriptor(tma_x)
+            if cutlass.const_expr(self.feed == 0):
+                if warp == 0:
+                    cpasync.prefetch_descriptor(tma_w)
+                    cpasync.prefetch_descriptor(tma_x)
 
             smem = cutlass.memory.SmemAllocator()
             st = smem.allocate(self.storage)
@@ -217,11 +224,13 @@ def _kernel_class():
 
             stage_bytes = (cute.size_in_bytes(BFloat16, cute.slice_(a_staged, (None, None, 0)))
                            + cute.size_in_bytes(BFloat16, cute.slice_(b_staged, (None, None, 0))))
-            pipe = pipeline.PipelineTmaAsync.create(
-                barrier_storage=st.bars.data_ptr(), num_stages=P,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.threads // 32),
-                tx_count=stage_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)))
+            pipe = None
+            if cutlass.const_expr(self.feed == 0):
+                pipe = pipeline.PipelineTmaAsync.create(
+                    barrier_storage=st.bars.data_ptr(), num_stages=P,
+                    producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+                    consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.threads // 32),
+                    tx_count=stage_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)))
             sWt = st.sW.get_tensor(a_staged.outer, swizzle=a_staged.inner)
             sXt = st.sX.get_tensor(b_staged.outer, swizzle=b_staged.inner)
             tile = (ROWS, TM, BK)
@@ -233,20 +242,6 @@ def _kernel_class():
                                              cute.group_modes(gX, 0, 2))
             ktiles = cute.size(gW, mode=[2]) // S
             kt0 = bidz * ktiles
-
-            # prologue: W of the first stages (no dependence on the grid before), then x once that grid is done
-            pre = cutlass.min(P, ktiles)
-            if warp == 0:
-                for j in cutlass.range(pre, unroll=1):
-                    ps = self._state(j, 1)
-                    pipe.producer_acquire(ps)
-                    cute.copy(tma_w, tWg[(None, kt0 + j)], tWs[(None, ps.index)], tma_bar_ptr=pipe.producer_get_barrier(ps))
-            if cutlass.const_expr(self.pdl):
-                cute.arch.griddepcontrol_wait()  # x and y only from here on
-            if warp == 0:
-                for j in cutlass.range(pre, unroll=1):
-                    ps = self._state(j, 1)
-                    cute.copy(tma_x, tXg[(None, kt0 + j)], tXs[(None, ps.index)], tma_bar_ptr=pipe.producer_get_barrier(ps))
 
             # ldmatrix row addresses of this lane (element offsets in stage 0). The 128-byte swizzle puts 16-byte
             # vector v of row r (within a 64-wide K block) at v ^ (r % 8); every row a lane addresses has r % 8 ==
@@ -275,33 +270,65 @@ def _kernel_class():
             fa32 = cute.recast_tensor(fa, Int32)
             fb32 = cute.recast_tensor(fb, Int32)
 
-            for kt in cutlass.range(ktiles, unroll=1):
-                if warp == 0 and kt > 0:
-                    j = kt - 1 + P  # refill the slot of stage kt - 1: every warp released it a stage ago
-                    if j < ktiles:
+            if cutlass.const_expr(self.feed == 0):  # one thread issues TMA copies (full/empty mbarriers)
+                # prologue: W of the first stages (no dependence on the grid before), then x once that grid is done
+                pre = cutlass.min(P, ktiles)
+                if warp == 0:
+                    for j in cutlass.range(pre, unroll=1):
                         ps = self._state(j, 1)
                         pipe.producer_acquire(ps)
-                        cute.copy(tma_w, tWg[(None, kt0 + j)], tWs[(None, ps.index)],
-                                  tma_bar_ptr=pipe.producer_get_barrier(ps))
-                        cute.copy(tma_x, tXg[(None, kt0 + j)], tXs[(None, ps.index)],
-                                  tma_bar_ptr=pipe.producer_get_barrier(ps))
-                cs = self._state(kt, 0)
-                pipe.consumer_wait(cs)
-                wslot = cs.index * (ROWS * BK * 2)
-                xslot = cs.index * (TM * BK * 2)
-                for q in cutlass.range_constexpr(2 * CPW):
-                    for jt in cutlass.range_constexpr(NT16):
-                        r = _ldsm_x4(xaddr[q] + (xslot + jt * 16 * 128))
-                        for e in cutlass.range_constexpr(4):
-                            fa32[e, jt] = r[e]
-                    for i in cutlass.range_constexpr(MT):
-                        r = _ldsm_x4(waddr[q] + (wslot + i * 16 * 128))
-                        fb32[0, 2 * i] = r[0]
-                        fb32[1, 2 * i] = r[1]
-                        fb32[0, 2 * i + 1] = r[2]
-                        fb32[1, 2 * i + 1] = r[3]
-                    cute.gemm(mma, acc, fa, fb, acc)
-                pipe.consumer_release(cs)
+                        cute.copy(tma_w, tWg[(None, kt0 + j)], tWs[(None, ps.index)], tma_bar_ptr=pipe.producer_get_barrier(ps))
+                if cutlass.const_expr(self.pdl):
+                    cute.arch.griddepcontrol_wait()  # x and y only from here on
+                if warp == 0:
+                    for j in cutlass.range(pre, unroll=1):
+                        ps = self._state(j, 1)
+                        cute.copy(tma_x, tXg[(None, kt0 + j)], tXs[(None, ps.index)], tma_bar_ptr=pipe.producer_get_barrier(ps))
+
+
+                for kt in cutlass.range(ktiles, unroll=1):
+                    if warp == 0 and kt > 0:
+                        j = kt - 1 + P  # refill the slot of stage kt - 1: every warp released it a stage ago
+                        if j < ktiles:
+                            ps = self._state(j, 1)
+                            pipe.producer_acquire(ps)
+                            cute.copy(tma_w, tWg[(None, kt0 + j)], tWs[(None, ps.index)],
+                                      tma_bar_ptr=pipe.producer_get_barrier(ps))
+                            cute.copy(tma_x, tXg[(None, kt0 + j)], tXs[(None, ps.index)],
+                                      tma_bar_ptr=pipe.producer_get_barrier(ps))
+                    cs = self._state(kt, 0)
+                    pipe.consumer_wait(cs)
+                    wslot = cs.index * (ROWS * BK * 2)
+                    xslot = cs.index * (TM * BK * 2)
+                    self._ldsm_stage(mma, xaddr, waddr, xslot, wslot, fa, fb, fa32, fb32, acc)
+                    pipe.consumer_release(cs)
+
+            else:  # every thread issues cp.async copies into the same swizzled layout (commit groups)
+                g2s = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), BFloat16,
+                                          num_bits_per_copy=128)
+                if cutlass.const_expr(self.pdl):
+                    cute.arch.griddepcontrol_launch_dependents()
+                for s0 in cutlass.range_constexpr(P - 1):
+                    if s0 < ktiles:
+                        self._issue_swz(mWr, st.sW.data_ptr(), g2s, tidx, kt0 + s0, s0, ROWS, row0, n, False)
+                if cutlass.const_expr(self.pdl):
+                    cute.arch.griddepcontrol_wait()  # x and y only from here on
+                for s0 in cutlass.range_constexpr(P - 1):
+                    if s0 < ktiles:
+                        self._issue_swz(mXr, st.sX.data_ptr(), g2s, tidx, kt0 + s0, s0, TM, tok0, m, True)
+                    cute.arch.cp_async_commit_group()
+                for kt in cutlass.range(ktiles, unroll=1):
+                    cute.arch.cp_async_wait_group(P - 2)  # this thread's copies of stage kt have landed
+                    cute.arch.sync_threads()  # everyone's have; and everyone is done with the slot refilled next
+                    nk = kt + P - 1
+                    if nk < ktiles:
+                        self._issue_swz(mWr, st.sW.data_ptr(), g2s, tidx, kt0 + nk, nk % P, ROWS, row0, n, False)
+                        self._issue_swz(mXr, st.sX.data_ptr(), g2s, tidx, kt0 + nk, nk % P, TM, tok0, m, True)
+                    cute.arch.cp_async_commit_group()
+                    slot = kt % P
+                    self._ldsm_stage(mma, xaddr, waddr, slot * (TM * BK * 2), slot * (ROWS * BK * 2), fa, fb, fa32,
+                                     fb32, acc)
+                cute.arch.cp_async_wait_group(0)
 
             if cutlass.const_expr(WK > 1):  # reduce the K warps in warp order (deterministic)
                 red = cute.make_tensor(st.red.data_ptr(), cute.make_layout((nacc, 32, WN, WK - 1)))
@@ -316,6 +343,45 @@ def _kernel_class():
 
             recv = cute.make_tensor(st.recv.data_ptr(), cute.make_layout((S - 1) * 32 * WN * nacc))
             self._cluster_sum(acc, recv, bar, rank, wrow, wkk, lane, g, c, row0, tok0, m, n, mY)
+
+        @cute.jit
+        def _ldsm_stage(self, mma, xaddr, waddr, xslot, wslot, fa, fb, fa32, fb32, acc):
+            """One ring stage of this warp: its k16 steps, x (A) and W (B) by ldmatrix, the MMAs."""
+            for q in cutlass.range_constexpr(len(xaddr)):
+                for jt in cutlass.range_constexpr(self.tm // 16):
+                    r = _ldsm_x4(xaddr[q] + (xslot + jt * 16 * 128))
+                    for e in cutlass.range_constexpr(4):
+                        fa32[e, jt] = r[e]
+                for i in cutlass.range_constexpr(self.mt):
+                    r = _ldsm_x4(waddr[q] + (wslot + i * 16 * 128))
+                    fb32[0, 2 * i] = r[0]
+                    fb32[1, 2 * i] = r[1]
+                    fb32[0, 2 * i + 1] = r[2]
+                    fb32[1, 2 * i + 1] = r[3]
+                cute.gemm(mma, acc, fa, fb, acc)
+
+        @cute.jit
+        def _issue_swz(self, mSrc, sDst, g2s, tidx, kt, slot, tile_rows: cutlass.Constexpr, row0, limit,
+                       tokens: cutlass.Constexpr):
+            """cp.async of stage ``kt``'s tile (rows x bk) into ring slot ``slot`` in the TMA's 128-byte-swizzled
+            K-major layout: 64-wide K blocks of ``tile_rows`` 128-byte rows, vector v of row r at v ^ (r % 8). W
+            rows past N are clamped (never stored); x tokens past M are not loaded (their MMA rows are never
+            stored)."""
+            VR = self.bk // VEC
+            total = tile_rows * VR
+            for i in cutlass.range_constexpr((total + self.threads - 1) // self.threads):
+                q = tidx + i * self.threads
+                r = q // VR
+                j = q % VR
+                dst = sDst + (slot * tile_rows * self.bk + (j // 8) * tile_rows * 64 + r * 64 + ((j % 8) ^ (r % 8)) * VEC)
+                if q < total:
+                    if cutlass.const_expr(tokens):
+                        if row0 + r < limit:
+                            src = mSrc.iterator + ((row0 + r) * mSrc.shape[1] + kt * self.bk + j * VEC)
+                            cute.copy(g2s, self._vec(src), self._vec(dst))
+                    else:
+                        src = mSrc.iterator + (cutlass.min(row0 + r, limit - 1) * mSrc.shape[1] + kt * self.bk + j * VEC)
+                        cute.copy(g2s, self._vec(src), self._vec(dst))
 
         @cute.jit
         def _cluster_sum(self, acc, recv, bar, rank, wrow, wkk, lane, g, c, row0, tok0, m, n, mY):
@@ -361,3 +427,11 @@ def _kernel_class():
             return pipeline.PipelineState(P, j, j % P, ((j // P) % 2) ^ producer)
 
     return SplitKTmaKernel
+
+
+class SplitKLdsmGemm(SplitKTmaGemm):
+    """The same kernel with the ring fed by cp.async from every thread (splitk_cluster's copies) into the same
+    swizzled layout: only the operand reads (ldmatrix, x as the 16-token A) differ from splitk_cluster."""
+    name = "gemm.splitk_ldsm"
+    priority = 43
+    feed = 1
