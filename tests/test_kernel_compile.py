@@ -53,25 +53,6 @@ def test_splitk_tc_compiles(arch):
             assert gemm_splitk_tc.compiled(*knobs, arch) is not None, knobs
 
 
-# the TMA-fed cluster kernel (staged): every value of every knob, one knob at a time from a base, and two corners
-BASE_TMA = {"m_tiles": 1, "warps_n": 2, "warps_k": 2, "tile_m": 16, "split_k": 4, "bk": 128, "stages": 4, "pdl": 1}
-TMA_VALUES = {"m_tiles": (1, 2, 4), "warps_n": (1, 2, 4), "warps_k": (1, 2, 4), "tile_m": (16, 32), "split_k": (2, 4, 8),
-              "bk": (64, 128), "stages": (2, 3, 4, 6, 8), "pdl": (0, 1)}
-TMA_SAMPLE = sorted({tuple({**BASE_TMA, knob: v}.values()) for knob, vals in TMA_VALUES.items() for v in vals}
-                    | {(2, 1, 1, 32, 8, 64, 3, 0), (4, 1, 2, 16, 2, 64, 6, 1)})
-
-
-@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
-def test_splitk_tma_compiles(arch):
-    from k3tune.kernels import gemm_splitk_tma
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        for knobs in TMA_SAMPLE:
-            for feed in (0, 1):  # gemm.splitk_tma, gemm.splitk_ldsm
-                assert gemm_splitk_tma.compiled(*knobs, arch, feed) is not None, (knobs, feed)
-
-
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 def test_moe_expert_kernels_compile(arch):
     """The routed-expert kernels at the executor's defaults and at the corners the GPU test uses."""
