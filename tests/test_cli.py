@@ -238,6 +238,27 @@ def test_export_and_merge_refuse_to_overwrite_a_source_or_write_a_url(tmp_path, 
     assert not [p for p in tmp_path.rglob("*") if "postgresql" in str(p)]
 
 
+def test_merge_reports_the_trials_it_added_and_diff_summarises_in_words(tmp_path, capsys):
+    """`db merge all.sqlite a.sqlite a.sqlite` said "2324 trials" while the file held 1162: it counted the rows it
+    tried to insert, and the duplicates are (rightly) skipped. `db diff` of two equal databases printed a Python
+    dict ("changes: {'same': 48}") over an empty table."""
+    import sqlite3
+
+    db = tmp_path / "a.sqlite"
+    assert main(["sweep", "--simulate", "gb300", "--spec", "smoke", "--db", str(db), "--json"]) == 0
+    capsys.readouterr()
+    trials = sqlite3.connect(db).execute("SELECT count(*) FROM trials").fetchone()[0]
+    winners = sqlite3.connect(db).execute("SELECT count(*) FROM winners").fetchone()[0]
+    assert main(["db", "merge", str(tmp_path / "all.sqlite"), str(db), str(db)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"{trials} trials added ({trials} already there), {winners} winners added" in out
+    assert sqlite3.connect(tmp_path / "all.sqlite").execute("SELECT count(*) FROM trials").fetchone()[0] == trials
+    assert main(["db", "diff", str(db), str(tmp_path / "all.sqlite")]) == 0
+    out = capsys.readouterr().out
+    assert f"{winners} problems: {winners} same" in out and "{" not in out and "problem" in out.splitlines()[0]
+    assert "┃" not in out  # no empty table
+
+
 def test_export_replaces_an_earlier_export_but_not_a_sweep_database_or_another_file(tmp_path, capsys):
     """`db export ship.sqlite sweep2.sqlite` (arguments swapped, or a name already taken by another sweep) silently
     replaced that sweep's trials with winners; and any file at DEST (a README) was replaced. Now an existing DEST is

@@ -194,11 +194,15 @@ def test_export_merge_diff(tmp_path):
 
     st = transfer.merge(tmp_path / "all.sqlite", [a, b])
     assert st.winners_added == 1 and st.winners_replaced == 1
+    assert (st.trials, st.trials_present) == (7, 2)  # added, not attempted: the overlap (2, 3) is counted once
     merged = store_db.open_db(tmp_path / "all.sqlite")
     with merged.session() as s:
         assert s.scalar(select(func.count()).select_from(Trial)) == 7  # 0..6, the overlap once
         w = s.scalar(select(Winner))
         assert (w.family, w.median_us) == ("gemm.smallm", 4.0) and "b.sqlite" in w.origin
+    merged.dispose()
+    st = transfer.merge(tmp_path / "all.sqlite", [a])  # merged again: nothing new
+    assert (st.trials, st.trials_present, st.winners_added, st.winners_kept) == (0, 4, 0, 1)
     d = inspect.diff(b, a)
     assert d["counts"] == {"regression": 1}
 

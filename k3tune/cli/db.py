@@ -107,8 +107,10 @@ def merge(dest: Annotated[str, typer.Argument(help="SQLite file to merge into (c
     if json:
         print_json(vars(st))
     else:
-        console.print(f"merged {len(srcs)} databases into {dest}: {st.trials} trials, {st.winners_added} winners added, "
-                      f"{st.winners_replaced} replaced by faster ones, {st.winners_kept} kept")
+        present = f" ({st.trials_present} already there)" if st.trials_present else ""
+        console.print(f"merged {len(srcs)} databases into {dest}: {st.trials} trials added{present}, "
+                      f"{st.winners_added} winners added, {st.winners_replaced} replaced by faster ones, "
+                      f"{st.winners_kept} kept")
 
 
 @app.command()
@@ -124,18 +126,23 @@ def diff(a: Annotated[str, typer.Argument(help="Baseline database.")],
     if json:
         print_json(d)
     else:
-        console.print(f"changes: {d['counts']}")
+        counts = d["counts"]
+        console.print(f"{sum(counts.values())} problems: " + (", ".join(f"{n} {c}" for c, n in sorted(counts.items()))
+                                                             or "none in either database"))
         if d["timed_differently"]:
             console.print(f"note: the winners of {d['timed_differently']} problems were timed by different methods "
                           "(a changed measurer or the libraries it times through): their times differ by the "
                           "measurer too (rows marked 'timed differently')")
-        t = Table("change", "problem", "a us", "b us", "ratio", "note")
-        for r in d["rows"][:200]:
-            style = "red" if r["change"] == "regression" else None
-            t.add_row(r["change"], escape(r["problem"]), f"{r['a']:.2f}" if r.get("a") else "-",
-                      f"{r['b']:.2f}" if r.get("b") else "-", str(r.get("ratio", "-")),
-                      "timed differently" if r.get("timing") == "differs" else "", style=style)
-        console.print(t)
+        if d["rows"]:  # every problem that is not the same (the first 200; --json has them all)
+            t = Table("change", "problem", "a us", "b us", "ratio", "note")
+            for r in d["rows"][:200]:
+                style = "red" if r["change"] == "regression" else None
+                t.add_row(r["change"], escape(r["problem"]), f"{r['a']:.2f}" if r.get("a") else "-",
+                          f"{r['b']:.2f}" if r.get("b") else "-", str(r.get("ratio", "-")),
+                          "timed differently" if r.get("timing") == "differs" else "", style=style)
+            console.print(t)
+            if len(d["rows"]) > 200:
+                console.print(f"... and {len(d['rows']) - 200} more (--json lists every one)")
     if d["counts"].get("regression"):
         raise typer.Exit(1)
 

@@ -81,7 +81,8 @@ def atomic_sqlite(dest: str | os.PathLike, start_from: Path | None = None) -> It
 
 @dataclass
 class CopyStats:
-    trials: int = 0
+    trials: int = 0  # trials added to the destination
+    trials_present: int = 0  # trials of the sources the destination already held (the same trial, merged twice)
     winners_added: int = 0
     winners_replaced: int = 0
     winners_kept: int = 0
@@ -175,16 +176,20 @@ def copy_records(src: Database, dst: Database, *, origin: str, trials: bool, har
             q = select(Trial)
             if hardware:
                 q = q.where(Trial.hardware_id.in_(select(Hardware.id).where(Hardware.class_key.contains(hardware))))
-            batch = []
+            count = select(func.count()).select_from(Trial)
+            before, seen, batch = d.scalar(count), 0, []
             for t in s.scalars(q.execution_options(yield_per=2000)):
                 batch.append(dict(run_id=ids.run_id(t.run_id), hardware_id=ids.hardware(t.hardware_id),
                                   problem_id=ids.problem(t.problem_id), **{c: getattr(t, c) for c in TRIAL_COLS}))
                 if len(batch) >= 2000:
                     insert_ignore(d, Trial, batch)
-                    stats.trials += len(batch)
+                    seen += len(batch)
                     batch = []
             insert_ignore(d, Trial, batch)
-            stats.trials += len(batch)
+            seen += len(batch)
+            # counted, not summed from the batches: a trial the destination holds already (uq_trial) is skipped
+            stats.trials = d.scalar(count) - before
+            stats.trials_present = seen - stats.trials
     return stats
 
 
@@ -241,6 +246,6 @@ def merge(dest: str | os.PathLike, sources: list[Database]) -> CopyStats:
     with atomic_sqlite(dest, start_from=start) as out:
         for src in sources:
             st = copy_records(src, out, origin=str(src.path or src.url), trials=True)
-            for f in ("trials", "winners_added", "winners_replaced", "winners_kept"):
+            for f in ("trials", "trials_present", "winners_added", "winners_replaced", "winners_kept"):
                 setattr(total, f, getattr(total, f) + getattr(st, f))
     return total
