@@ -198,6 +198,27 @@ def test_lookup_reads_what_the_sweep_wrote_by_default(tmp_path, monkeypatch, cap
     assert {o["op"]: o for o in look["ops"]}["kda.qkvg_proj"]["source"] == "simulated"
 
 
+def test_lookup_refuses_a_named_file_that_is_no_tuning_database(tmp_path, monkeypatch, capsys):
+    """`k3tune lookup --db notes.txt` (a wrong path that exists) served heuristic defaults, exit 0, and with no GPU it
+    did not even warn; a named --db that is not a SQLite file, or has no k3tune schema, is a one-line error (exit 4).
+    Warnings are printed once, below the table (the selector's log line went to stderr as well)."""
+    import sqlite3
+
+    monkeypatch.chdir(tmp_path)
+    for var in ("K3TUNE_DB", "K3TUNE_SERVE_DB", "K3TUNE_HARDWARE"):
+        monkeypatch.delenv(var, raising=False)
+    (tmp_path / "notes.txt").write_text("not a database\n")
+    sqlite3.connect(tmp_path / "other.sqlite").execute("CREATE TABLE t (x)").connection.commit()
+    for name, msg in (("notes.txt", "is not a SQLite database"), ("other.sqlite", "no k3tune schema")):
+        assert main(["lookup", "--tp", "16", "--batch", "8", "--db", name]) == 4
+        err = capsys.readouterr().err
+        assert msg in err and len(err.strip().splitlines()) == 1, err
+    assert main(["lookup", "--tp", "16", "--batch", "8"]) == 0  # without a GPU: defaults, and a warning
+    out, err = capsys.readouterr()
+    warned = [line for line in out.splitlines() if line.startswith("warning:")]
+    assert not err.strip() and len(warned) == len(set(warned)), (out, err)
+
+
 def test_lookup_hardware_serves_that_gpus_database(tmp_path, monkeypatch, capsys):
     """`k3tune lookup --hardware h200` on a machine without that GPU serves the database shipped for it (it had
     served heuristic defaults unless --db was given); a database without that GPU's winners serves heuristic defaults

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Annotated
 
@@ -13,6 +14,7 @@ from k3tune import settings
 from k3tune.cli.common import ConfigOption, JsonOption, SpecOption, console, print_json, require_db
 from k3tune.plan import model as models, spec as specs
 from k3tune.runtime import Selector
+from k3tune.store.db import open_for_serving
 
 LOCAL_DB = Path("k3tune.sqlite")  # relative: the working directory's, as `k3tune sweep` writes it
 
@@ -40,8 +42,11 @@ def lookup(
     """
     specs.validate_deployment_values(tp, batch, dcp, draft)
     sp = specs.load(spec)
-    if db is not None:  # named: a typo must not serve heuristic defaults behind a warning
-        require_db(db)
+    if db is not None:  # named: a typo, or a file that is no tuning database, must not serve heuristic defaults
+        handle, _ = open_for_serving(require_db(db))  # behind a warning; an older schema is served (with a note)
+        handle.dispose()
+    # the selector also logs its warnings (for a server's log); here they are printed below the table, once
+    logging.getLogger("k3tune.runtime").addHandler(logging.NullHandler())
     db = db or settings.load().db or (str(LOCAL_DB) if LOCAL_DB.is_file() else None)  # what `k3tune sweep` wrote
     sel = Selector.load(db, simulated=simulate, measured_on=hardware, spec=sp, model=models.load(config or sp.model_config))
     choices = sel.layer(tp, batch, draft, dcp, context)
