@@ -83,6 +83,22 @@ def test_unknown_search_key():
         spec.from_dict(raw)
 
 
+@pytest.mark.parametrize("edit,msg", [
+    (lambda r: r.update(serch={"budget": 3}), r"unknown top-level keys \['serch'\]"),
+    (lambda r: r["matrix"].update(drafts=[0, 1]), r"unknown \[matrix\] keys \['drafts'\]"),
+    (lambda r: r.update(buckets={"token": [1, 8]}), r"unknown \[buckets\] keys \['token'\]"),
+    (lambda r: r.update(model={"path": "x.json"}), r"unknown \[model\] keys \['path'\]"),
+    (lambda r: r.update(model="x.json"), r"\[model\] must be a table"),
+])
+def test_misspelt_spec_keys_are_errors_not_defaults(edit, msg):
+    """A spec with `[serch]` (or `drafts = [0, 1]`) swept with the default search settings (or draft 0) without a
+    word; only [search] keys were checked."""
+    raw = _spec()
+    edit(raw)
+    with pytest.raises(ConfigError, match=msg):
+        spec.from_dict(raw)
+
+
 def test_tp_must_divide_heads():
     sp = spec.from_dict(_spec(tp=[5], dcp=[1]))
     with pytest.raises(ConfigError, match="tp 5 does not divide"):

@@ -13,7 +13,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from k3tune import settings
 from k3tune.cli.common import ConfigOption, DbOption, JsonOption, SpecOption, console, db_target, print_json
 from k3tune.errors import ConfigError, HardwareError
-from k3tune.plan import hardware, model as models, spec as specs
+from k3tune.plan import hardware, model as models, problems, spec as specs
 from k3tune.search.driver import SweepOptions, SweepStats, run_sweep
 from k3tune.shipped import tuning_db_dir
 from k3tune.store.db import open_db
@@ -59,6 +59,7 @@ def sweep(
     """
     sp = specs.load(spec)
     model = models.load(config or sp.model_config)
+    problems.build(sp, model)  # an unknown op or a tp the model's widths do not divide: before any database or worker
     hw = None
     if simulate is not None:
         backend = "simulated"

@@ -86,6 +86,25 @@ def validate_deployment_values(tp: int, batch: int, dcp: int, draft: int) -> Non
         raise ConfigError(f"dcp {dcp} invalid for tp {tp}: dcp must divide tp and be <= tp")
 
 
+# every key a spec may hold, by table ("" is the top level): a misspelt one is an error, never a silent default
+KNOWN_KEYS = {"": {"name", "matrix", "buckets", "search", "model"},
+              "matrix": {"tp", "batch", "dcp", "draft", "context", "ops", "routing"},
+              "buckets": {"tokens", "batch", "query_len"},
+              "model": {"config"}}  # [search]: SearchSettings' fields, checked below
+
+
+def _known_keys(raw: dict, where: str) -> None:
+    for table, known in KNOWN_KEYS.items():
+        section = raw if not table else raw.get(table, {})
+        if not isinstance(section, dict):
+            raise ConfigError(f"{where}: [{table}] must be a table")
+        unknown = set(section) - known
+        if unknown:
+            place = f"[{table}] keys" if table else "top-level keys"
+            hint = "" if table else " (the tables are [matrix], [buckets], [search], [model])"
+            raise ConfigError(f"{where}: unknown {place} {sorted(unknown)}{hint}")
+
+
 def from_dict(raw: dict, name: str = "spec") -> SweepSpec:
     where = name
     m = raw.get("matrix")
@@ -95,6 +114,7 @@ def from_dict(raw: dict, name: str = "spec") -> SweepSpec:
     s = raw.get("search", {})
     if not isinstance(b, dict) or not isinstance(s, dict):
         raise ConfigError(f"{where}: [buckets] and [search] must be tables")
+    _known_keys(raw, where)
     tp = _ints(m, "tp", where)
     batch = _ints(m, "batch", where)
     dcp = _ints(m, "dcp", where, [1])
@@ -135,7 +155,7 @@ def from_dict(raw: dict, name: str = "spec") -> SweepSpec:
     if ops is not None and (not isinstance(ops, list) or not all(isinstance(o, str) for o in ops)):
         raise ConfigError(f"{where}: 'ops' must be a list of op names")
     routing = str(m.get("routing", "uniform"))
-    model_cfg = raw.get("model", {}).get("config") if isinstance(raw.get("model"), dict) else None
+    model_cfg = raw.get("model", {}).get("config")
     return SweepSpec(
         name=str(raw.get("name", name)),
         tp=tp,
