@@ -60,7 +60,7 @@ def _twice(fam, p, cfg, seed: int, poison=("out",)) -> dict:
 @pytest.mark.parametrize("m", MS)
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("name", ["gemm.cublas", "gemm.smallm", "gemm.splitk_tc", "gemm.wgmma", "gemm.stream",
-                                  "gemm.splitk_cluster", "gemm.wgmma_ck", "gemm.splitk_xreg"])
+                                  "gemm.splitk_cluster", "gemm.wgmma_ck"])
 def test_gemm_default_numerics(name, m, n, k):
     if _check(name, m, n, k) is None:
         pytest.skip(f"{name} does not implement M={m}, N={n}, K={k}")
@@ -267,25 +267,6 @@ def test_splitk_cluster_sample_numerics(m, n, k):
     assert len(cfgs) >= 12, len(cfgs)
 
 
-@pytest.mark.parametrize("m,n,k", [(3, 280, 7168), (16, 1536, 7168), (17, 7168, 768), (33, 1000, 1536)])
-def test_splitk_xreg_sample_numerics(m, n, k):
-    """The staged cluster kernel with x in registers: every warp layout, token tile and cluster size at rings of 3,
-    4 and 6 and both stage widths, PDL on every 3rd; rows past N (280, 1000), tokens past M (3, 17, 33: not loaded);
-    each run twice on the same buffers."""
-    from k3tune.kernels.gemm_splitk_tc import SplitKConfig
-
-    fam = family("gemm.splitk_xreg")
-    p = Problem("kda.o_proj", "gemm", (("M", m), ("N", n), ("K", k)))
-    cfgs = [SplitKConfig(m_tiles=mt, warps_n=wn, warps_k=wk, tile_m=tm, split_k=s, bk=bk, stages=(3, 4, 6)[i % 3],
-                         reduce=0, pdl=int(i % 3 == 0))
-            for i, (mt, wn, wk, tm, s, bk) in enumerate(itertools.product((1, 2), (1, 2, 4), (1, 2, 4), (8, 16, 32),
-                                                                          (2, 4, 8), (64, 128)))]
-    cfgs = [c for c in cfgs if c.tile_m in fam.space(p)["tile_m"] and fam.valid(c, p)][::3]
-    for i, cfg in enumerate(cfgs):
-        _twice(fam, p, cfg, 5000 + i)
-    assert len(cfgs) >= 12, len(cfgs)
-
-
 @pytest.mark.parametrize("name,knobs", [("gemm.splitk_tc", {"split_k": 1, "reduce": 0}),
                                         ("gemm.splitk_tc", {"split_k": 4, "reduce": 0}),
                                         ("gemm.splitk_tc", {"split_k": 4, "reduce": 1}),
@@ -293,7 +274,6 @@ def test_splitk_xreg_sample_numerics(m, n, k):
                                         ("gemm.wgmma", {"split_k": 1}), ("gemm.wgmma", {"split_k": 4}),
                                         ("gemm.stream", {"rows": 8, "warps": 4, "mma": 1}),
                                         ("gemm.splitk_cluster", {"split_k": 4}),
-                                        ("gemm.splitk_xreg", {"split_k": 4}),
                                         ("gemm.wgmma_ck", {"split_k": 3, "bk": 128}),
                                         ("gemm.wgmma_ck", {"split_k": 8, "bk": 64})])
 def test_pdl_chain(name, knobs):

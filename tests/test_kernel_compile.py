@@ -53,25 +53,6 @@ def test_splitk_tc_compiles(arch):
             assert gemm_splitk_tc.compiled(*knobs, arch) is not None, knobs
 
 
-# the staged cluster kernel with x in registers: every value of every knob from a base, one at a time, and corners
-BASE_XREG = {"m_tiles": 1, "warps_n": 1, "warps_k": 4, "tile_m": 16, "split_k": 8, "bk": 128, "stages": 4, "pdl": 1}
-XREG_VALUES = {"m_tiles": (1, 2, 4), "warps_n": (1, 2, 4), "warps_k": (1, 2, 4), "tile_m": (8, 16, 32),
-               "split_k": (2, 4, 8), "bk": (64, 128), "stages": (2, 3, 4, 6, 8), "pdl": (0, 1)}
-XREG_SAMPLE = sorted(k for k in ({tuple({**BASE_XREG, knob: v}.values()) for knob, vals in XREG_VALUES.items()
-                                   for v in vals} | {(2, 2, 1, 32, 2, 64, 4, 1), (1, 4, 1, 16, 8, 64, 6, 0)})
-                     if (k[5] // 32) % k[2] == 0)  # whole 32-wide chunks per K warp (the family's valid())
-
-
-@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
-def test_splitk_xreg_compiles(arch):
-    from k3tune.kernels import gemm_splitk_xreg
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        for knobs in XREG_SAMPLE:
-            assert gemm_splitk_xreg.compiled(*knobs, arch) is not None, knobs
-
-
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 def test_moe_expert_kernels_compile(arch):
     """The routed-expert kernels at the executor's defaults and at the corners the GPU test uses."""

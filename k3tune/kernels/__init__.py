@@ -14,7 +14,6 @@ from k3tune.kernels.gemm_cublas import CublasGemm
 from k3tune.kernels.gemm_smallm import SmallMGemm
 from k3tune.kernels.gemm_splitk_cluster import SplitKClusterGemm
 from k3tune.kernels.gemm_splitk_tc import SplitKTensorCoreGemm
-from k3tune.kernels.gemm_splitk_xreg import SplitKXregGemm
 from k3tune.kernels.gemm_stream import StreamGemm
 from k3tune.kernels.gemm_wgmma import WgmmaGemm
 from k3tune.kernels.gemm_wgmma_ck import WgmmaClusterKGemm
@@ -40,8 +39,7 @@ FAMILIES: dict[str, KernelFamily] = {
 # (comma-separated; the re-sweep that ships it), until it moves to FAMILIES with that database. (gemm.wgmma was
 # staged so until its dense re-sweep shipped, session 12; gemm.stream until session 13's; gemm.splitk_cluster until
 # session 14's; gemm.wgmma_ck until session 15's.)
-STAGED: dict[str, KernelFamily] = {f.name: f for f in [SplitKXregGemm()]}  # session 30: x out of the ring
-# (session 30's gemm.splitk_tma and gemm.splitk_ldsm were refuted and removed)
+STAGED: dict[str, KernelFamily] = {}  # none now (session 30's gemm.splitk_tma and gemm.splitk_ldsm were refuted, removed)
 
 
 _EXTRA_ERROR: list[str] = []  # a bad K3TUNE_EXTRA_FAMILIES, raised on first use (an import-time raise is a traceback)
