@@ -229,6 +229,10 @@ def test_lookup_refuses_a_named_file_that_is_no_tuning_database(tmp_path, monkey
         assert main(["lookup", "--tp", "16", "--batch", "8", "--db", name]) == 4
         err = capsys.readouterr().err
         assert msg in err and len(err.strip().splitlines()) == 1, err
+    monkeypatch.setenv("K3TUNE_DB", str(tmp_path))  # named through the environment: a directory
+    assert main(["lookup", "--tp", "16", "--batch", "8"]) == 4
+    assert "is a directory" in capsys.readouterr().err
+    monkeypatch.delenv("K3TUNE_DB")
     assert main(["lookup", "--tp", "16", "--batch", "8"]) == 0  # without a GPU: defaults, and a warning
     out, err = capsys.readouterr()
     warned = [line for line in out.splitlines() if line.startswith("warning:")]

@@ -42,12 +42,13 @@ def lookup(
     """
     specs.validate_deployment_values(tp, batch, dcp, draft)
     sp = specs.load(spec)
-    if db is not None:  # named: a typo, or a file that is no tuning database, must not serve heuristic defaults
-        handle, _ = open_for_serving(require_db(db))  # behind a warning; an older schema is served (with a note)
+    db = db or settings.load().db  # named (--db or $K3TUNE_DB): a typo, or a file that is no tuning database,
+    if db is not None:  # must not serve heuristic defaults behind a warning; an older schema is served (with a note)
+        handle, _ = open_for_serving(require_db(db))
         handle.dispose()
     # the selector also logs its warnings (for a server's log); here they are printed below the table, once
     logging.getLogger("k3tune.runtime").addHandler(logging.NullHandler())
-    db = db or settings.load().db or (str(LOCAL_DB) if LOCAL_DB.is_file() else None)  # what `k3tune sweep` wrote
+    db = db or (str(LOCAL_DB) if LOCAL_DB.is_file() else None)  # what `k3tune sweep` wrote
     sel = Selector.load(db, simulated=simulate, measured_on=hardware, spec=sp, model=models.load(config or sp.model_config))
     choices = sel.layer(tp, batch, draft, dcp, context)
     if json:
