@@ -46,11 +46,17 @@ def lookup(
     if db is not None:  # must not serve heuristic defaults behind a warning; an older schema is served (with a note)
         handle, _ = open_for_serving(require_db(db))
         handle.dispose()
-    # the selector also logs its warnings (for a server's log); here they are printed below the table, once
-    logging.getLogger("k3tune.runtime").addHandler(logging.NullHandler())
     db = db or (str(LOCAL_DB) if LOCAL_DB.is_file() else None)  # what `k3tune sweep` wrote
-    sel = Selector.load(db, simulated=simulate, measured_on=hardware, spec=sp, model=models.load(config or sp.model_config))
-    choices = sel.layer(tp, batch, draft, dcp, context)
+    # the selector also logs its warnings (for a server's log): here they are printed below the table, once
+    quiet = logging.NullHandler()
+    log = logging.getLogger("k3tune.runtime")
+    log.addHandler(quiet)
+    try:
+        sel = Selector.load(db, simulated=simulate, measured_on=hardware, spec=sp,
+                            model=models.load(config or sp.model_config))
+        choices = sel.layer(tp, batch, draft, dcp, context)
+    finally:
+        log.removeHandler(quiet)
     if json:
         print_json({"deployment": dict(tp=tp, batch=batch, draft=draft, dcp=dcp, context=sel.context_bucket(context)),
                     "db": db or "shipped", "table_hash": sel.hash, "warnings": sel.warnings, "ops": [c.as_dict() for c in choices.values()]})

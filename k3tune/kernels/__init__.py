@@ -39,7 +39,7 @@ FAMILIES: dict[str, KernelFamily] = {
 # (comma-separated; the re-sweep that ships it), until it moves to FAMILIES with that database. (gemm.wgmma was
 # staged so until its dense re-sweep shipped, session 12; gemm.stream until session 13's; gemm.splitk_cluster until
 # session 14's; gemm.wgmma_ck until session 15's.)
-STAGED: dict[str, KernelFamily] = {}  # none now (session 30's gemm.splitk_tma and gemm.splitk_ldsm were refuted, removed)
+STAGED: dict[str, KernelFamily] = {}  # none now (session 30's splitk_tma, splitk_ldsm, splitk_xreg: refuted, removed)
 
 
 _EXTRA_ERROR: list[str] = []  # a bad K3TUNE_EXTRA_FAMILIES, raised on first use (an import-time raise is a traceback)
