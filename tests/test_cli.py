@@ -300,6 +300,18 @@ def test_merge_reports_the_trials_it_added_and_diff_summarises_in_words(tmp_path
     assert "┃" not in out  # no empty table
 
 
+def test_verify_against_another_spec_names_the_specs_the_database_was_swept_with(tmp_path, capsys):
+    """`k3tune db verify tuning_db/h200.sqlite` checks the default spec's 1124 problems and says NOT OK (214 covered)
+    with no hint that the database was swept with other specs; it now names them (its runs record their digests)."""
+    db = _smoke_db(tmp_path / "a.sqlite", capsys)
+    assert main(["db", "verify", str(db)]) == 1
+    out = " ".join(capsys.readouterr().out.split())
+    assert "NOT OK" in out and "this database was swept with spec smoke: `--spec NAME`" in out
+    assert main(["db", "verify", str(db), "--spec", "smoke"]) == 0
+    out = capsys.readouterr().out
+    assert "OK" in out and "swept with" not in out
+
+
 def test_export_replaces_an_earlier_export_but_not_a_sweep_database_or_another_file(tmp_path, capsys):
     """`db export ship.sqlite sweep2.sqlite` (arguments swapped, or a name already taken by another sweep) silently
     replaced that sweep's trials with winners; and any file at DEST (a README) was replaced. Now an existing DEST is

@@ -9,7 +9,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from k3tune.cli.common import ConfigOption, JsonOption, SpecOption, console, db_target, print_json, require_db
-from k3tune.errors import DatabaseError
+from k3tune.errors import ConfigError, DatabaseError
 from k3tune.plan import model as models, problems as plans, spec as specs
 from k3tune.store import db as store_db
 from k3tune.store import inspect, transfer
@@ -69,9 +69,25 @@ def verify(db: DbArg = None, spec: SpecOption = None, config: ConfigOption = Non
                       f"parameters outside the space: {len(v.out_of_space)}")
         for hw, c in v.coverage.items():
             console.print(f"coverage of spec {sp.name} on {hw}: {c['covered']}/{c['total']}")
+        partial = any(c["covered"] < c["total"] for c in v.coverage.values())
+        swept = _spec_names(v.swept_specs)
+        if partial and swept and sp.digest() not in v.swept_specs:  # checked against a spec it was not swept with
+            console.print(f"note: this database was swept with spec{'s' if len(swept) > 1 else ''} "
+                          f"{', '.join(swept)}: `--spec NAME` checks the coverage of one of them")
         console.print("[green]OK[/]" if v.ok else "[red]NOT OK[/]")
     if not v.ok:
         raise typer.Exit(1)
+
+
+def _spec_names(digests: list[str]) -> list[str]:
+    """The configs/ specs (by name) whose digests a database's runs carry; others as their digest."""
+    known = {}
+    for f in sorted(specs.configs_dir().glob("sweep_*.toml")):
+        try:
+            known[specs.load(f).digest()] = f.stem.removeprefix("sweep_")
+        except ConfigError:
+            continue
+    return sorted((known.get(d, f"(digest {d})") for d in digests if d), key=lambda n: (n.startswith("("), n))
 
 
 @app.command()

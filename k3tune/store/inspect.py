@@ -51,6 +51,7 @@ class Verification:
     stale_by_op: Counter = field(default_factory=Counter)  # which ops' keys moved (a block's: its dense ops too)
     out_of_space: list[str] = field(default_factory=list)
     coverage: dict[str, dict] = field(default_factory=dict)  # hardware class -> {covered, total, missing}
+    swept_specs: list[str] = field(default_factory=list)  # the spec digests the database's runs were swept with
 
     @property
     def ok(self) -> bool:
@@ -61,7 +62,7 @@ class Verification:
         return {"ok": self.ok, "integrity": self.integrity, "schema": self.schema, "schema_ok": self.schema_ok,
                 "winners": self.winners, "stale": self.stale, "stale_by_op": self.stale_by_op,
                 "out_of_space": self.out_of_space,
-                "coverage": self.coverage}
+                "coverage": self.coverage, "swept_specs": self.swept_specs}
 
 
 def verify(db: Database, plan: plans.Plan | None = None) -> Verification:
@@ -75,6 +76,7 @@ def verify(db: Database, plan: plans.Plan | None = None) -> Verification:
     with db.session() as s:
         rows = s.execute(select(Winner, ProblemRow, Hardware).join(ProblemRow, ProblemRow.id == Winner.problem_id)
                          .join(Hardware, Hardware.id == Winner.hardware_id)).all()
+        v.swept_specs = sorted(set(s.scalars(select(Run.spec_digest))))
     have: dict[str, set[str]] = {}
     for w, p, h in rows:
         v.winners += 1
