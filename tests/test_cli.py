@@ -2,6 +2,7 @@
 non-zero exit, with the traceback behind K3TUNE_DEBUG=1."""
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -310,6 +311,12 @@ def test_verify_against_another_spec_names_the_specs_the_database_was_swept_with
     assert main(["db", "verify", str(db), "--spec", "smoke"]) == 0
     out = capsys.readouterr().out
     assert "OK" in out and "swept with" not in out
+    assert main(["db", "show", str(db)]) == 0  # its counts in words, not Python dicts
+    out = capsys.readouterr().out
+    assert re.search(r"trials: \d+ ok", out) and "{" not in out, out
+    ship = tmp_path / "ship.sqlite"
+    assert main(["db", "export", str(db), str(ship)]) == 0 and main(["db", "show", str(ship)]) == 0
+    assert "trials: none (a winners-only export)" in capsys.readouterr().out
 
 
 def test_export_replaces_an_earlier_export_but_not_a_sweep_database_or_another_file(tmp_path, capsys):

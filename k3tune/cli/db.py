@@ -35,8 +35,11 @@ def show(db: DbArg = None, json: JsonOption = False) -> None:
     console.print(f"[bold]{info['database']}[/] schema {info['schema']}: {info['problems']} problems")
     for h in info["hardware"]:
         console.print(f"  hardware: {h['name']} cc {h['cc']} {h['sms']} SMs{' (simulated)' if h['simulated'] else ''}")
-    console.print(f"  trials: {info['trials']}")
-    console.print(f"  winners by timing method: {info['winners_by_method']}")
+    trials = info["trials"]
+    console.print("  trials: " + (", ".join(f"{n} {status}" for status, n in sorted(trials.items()))
+                                  or "none (a winners-only export)"))
+    by_method = sorted(info["winners_by_method"].items(), key=lambda kv: -kv[1])
+    console.print("  winners by timing method: " + (", ".join(f"{n} {m}" for m, n in by_method) or "none"))
     t = Table("op", "winners")
     for op, n in sorted(info["winners_by_op"].items()):
         t.add_row(op, str(n))
