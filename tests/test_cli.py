@@ -319,6 +319,27 @@ def test_verify_against_another_spec_names_the_specs_the_database_was_swept_with
     assert "trials: none (a winners-only export)" in capsys.readouterr().out
 
 
+def test_paths_and_names_with_brackets_are_printed_as_they_are(tmp_path, capsys, monkeypatch):
+    """Rich read every printed string as markup: a database at `d[/x].sqlite` crashed the sweep at its summary line
+    with a MarkupError traceback (after every trial was stored), and bracketed words vanished from what was printed:
+    the run status ('[done]') in `db show`, the backend ('[simulated]') in `db verify`."""
+    monkeypatch.setenv("COLUMNS", "250")
+    (tmp_path / "d[").mkdir()
+    db = str(tmp_path / "d[" / "x].sqlite")
+    assert main(["sweep", "--simulate", "gb300", "--spec", "smoke", "--db", db]) == 0
+    assert f"-> {db}" in capsys.readouterr().out
+    assert main(["db", "show", db]) == 0
+    out = capsys.readouterr().out
+    assert "run 1 [done] simulated on " in out, out  # (the command is pytest's argv here)
+    assert main(["db", "verify", db, "--spec", "smoke"]) == 0
+    assert "288GiB [simulated]: 48/48" in capsys.readouterr().out
+    for argv in (["db", "export", db, str(tmp_path / "d[" / "e].sqlite")],
+                 ["db", "merge", str(tmp_path / "d[" / "m].sqlite"), db],
+                 ["lookup", "--tp", "16", "--batch", "8", "--simulate", "gb300", "--db", db]):
+        assert main(argv) == 0
+        assert "d[/" in capsys.readouterr().out, argv
+
+
 def test_export_replaces_an_earlier_export_but_not_a_sweep_database_or_another_file(tmp_path, capsys):
     """`db export ship.sqlite sweep2.sqlite` (arguments swapped, or a name already taken by another sweep) silently
     replaced that sweep's trials with winners; and any file at DEST (a README) was replaced. Now an existing DEST is

@@ -32,9 +32,9 @@ def show(db: DbArg = None, json: JsonOption = False) -> None:
     if json:
         print_json(info)
         return
-    console.print(f"[bold]{info['database']}[/] schema {info['schema']}: {info['problems']} problems")
+    console.print(f"[bold]{escape(str(info['database']))}[/] schema {info['schema']}: {info['problems']} problems")
     for h in info["hardware"]:
-        console.print(f"  hardware: {h['name']} cc {h['cc']} {h['sms']} SMs{' (simulated)' if h['simulated'] else ''}")
+        console.print(f"  hardware: {escape(h['name'])} cc {h['cc']} {h['sms']} SMs{' (simulated)' if h['simulated'] else ''}")
     trials = info["trials"]
     console.print("  trials: " + (", ".join(f"{n} {status}" for status, n in sorted(trials.items()))
                                   or "none (a winners-only export)"))
@@ -45,7 +45,8 @@ def show(db: DbArg = None, json: JsonOption = False) -> None:
         t.add_row(op, str(n))
     console.print(t)
     for r in info["runs"][-5:]:
-        console.print(f"  run {r['id']} [{r['status']}] {r['backend']} on {r['host']}: {r['command']}")
+        status = escape(f"[{r['status']}]")  # unescaped, '[done]' was read as a style tag and vanished
+        console.print(f"  run {r['id']} {status} {r['backend']} on {escape(r['host'])}: {escape(r['command'])}")
 
 
 @app.command()
@@ -65,18 +66,18 @@ def verify(db: DbArg = None, spec: SpecOption = None, config: ConfigOption = Non
     if json:
         print_json(v.as_dict())
     else:
-        console.print(f"integrity: {', '.join(v.integrity) or 'n/a'}; schema {v.schema} "
+        console.print(f"integrity: {escape(', '.join(v.integrity)) or 'n/a'}; schema {v.schema} "
                       f"({'current' if v.schema_ok else 'needs k3tune db upgrade'}); {v.winners} winners")
         by_op = ", ".join(f"{op} {n}" for op, n in sorted(v.stale_by_op.items()))
         console.print(f"stale winners: {len(v.stale)}{f' ({by_op})' if by_op else ''}; "
                       f"parameters outside the space: {len(v.out_of_space)}")
         for hw, c in v.coverage.items():
-            console.print(f"coverage of spec {sp.name} on {hw}: {c['covered']}/{c['total']}")
+            console.print(f"coverage of spec {escape(sp.name)} on {escape(hw)}: {c['covered']}/{c['total']}")
         partial = any(c["covered"] < c["total"] for c in v.coverage.values())
         swept = _spec_names(v.swept_specs)
         if partial and swept and sp.digest() not in v.swept_specs:  # checked against a spec it was not swept with
             console.print(f"note: this database was swept with spec{'s' if len(swept) > 1 else ''} "
-                          f"{', '.join(swept)}: `--spec NAME` checks the coverage of one of them")
+                          f"{escape(', '.join(swept))}: `--spec NAME` checks the coverage of one of them")
         console.print("[green]OK[/]" if v.ok else "[red]NOT OK[/]")
     if not v.ok:
         raise typer.Exit(1)
@@ -110,7 +111,7 @@ def export(src: Annotated[str, typer.Argument(help="Database to export from.")],
     if json:
         print_json(vars(st))
     else:
-        console.print(f"exported {st.winners_added} winners to {dest} ({st.winners_dropped} stale left out)")
+        console.print(f"exported {st.winners_added} winners to {escape(dest)} ({st.winners_dropped} stale left out)")
 
 
 @app.command()
@@ -127,7 +128,7 @@ def merge(dest: Annotated[str, typer.Argument(help="SQLite file to merge into (c
         print_json(vars(st))
     else:
         present = f" ({st.trials_present} already there)" if st.trials_present else ""
-        console.print(f"merged {len(srcs)} databases into {dest}: {st.trials} trials added{present}, "
+        console.print(f"merged {len(srcs)} databases into {escape(dest)}: {st.trials} trials added{present}, "
                       f"{st.winners_added} winners added, {st.winners_replaced} replaced by faster ones, "
                       f"{st.winners_kept} kept")
 

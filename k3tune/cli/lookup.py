@@ -62,7 +62,7 @@ def lookup(
                     "db": db or "shipped", "table_hash": sel.hash, "warnings": sel.warnings, "ops": [c.as_dict() for c in choices.values()]})
         return
     t = Table(title=f"tp {tp} batch {batch} draft {draft} dcp {dcp} "
-              f"context {sel.context_bucket(context)} (db {db or 'shipped'}, table {sel.hash})")
+              f"context {sel.context_bucket(context)} (db {escape(db or 'shipped')}, table {sel.hash})")
     for name in ("op", "kernel"):  # names whole on a narrow terminal: the knobs wrap instead
         t.add_column(name, no_wrap=True)
     t.add_column("knobs")

@@ -48,7 +48,7 @@ def plan(spec: SpecOption = None, config: ConfigOption = None, json: JsonOption 
                     "problems": {op: [dict(key=x.key, deployments=p.shared_by[x]) for x in probs] for op, probs in by_op.items()},
                     "estimate": est})
         return
-    console.print(f"[bold]spec {sp.name}[/]: {len(p.deployments)} deployments "
+    console.print(f"[bold]spec {escape(sp.name)}[/]: {len(p.deployments)} deployments "
                   f"(tp {list(sp.tp)} x batch {sp.batch[0]}-{sp.batch[-1]} x dcp {list(sp.dcp)} x draft "
                   f"{list(sp.draft)} x context {list(sp.context)}) -> {len(p.problems)} unique problems")
     t = Table("op", "problems", "deployments per problem", "example")

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from k3tune import settings
@@ -115,16 +116,16 @@ def sweep(
         return
     console.print(f"{stats.problems_done} problems tuned now, {stats.problems_done_before} already done, "
                   f"{stats.trials} trials ({stats.failed} failed, {stats.workers_replaced} workers replaced) "
-                  f"in {stats.seconds:.1f} s -> {summary['database']}")
+                  f"in {stats.seconds:.1f} s -> {escape(str(summary['database']))}")
     if stats.polish_passes:
         console.print(f"polish: {stats.polish_passes} passes tried neighbours' winners on {stats.polished} problems; "
                       f"{stats.polish_changed} chose another kernel ({stats.polish_s:.1f} s, planning "
                       f"{stats.polish_plan_s:.1f} s)")
     for r in stats.refused[:10]:
-        console.print(f"[yellow]refused stored trial outside the declared space:[/] {r}")
+        console.print(f"[yellow]refused stored trial outside the declared space:[/] {escape(str(r))}")
     for op, why in stats.skipped_ops.items():
-        console.print(f"[yellow]skipped[/] {op}: {why}")
+        console.print(f"[yellow]skipped[/] {escape(op)}: {escape(str(why))}")
     for why in stats.workers_retired:
-        console.print(f"[yellow]retired {why}[/]: its GPU was given up, the sweep went on without it")
+        console.print(f"[yellow]retired {escape(str(why))}[/]: its GPU was given up, the sweep went on without it")
     if stats.no_winner:
         console.print(f"[red]{len(stats.no_winner)} problems had no correct candidate[/] (heuristic defaults serve them)")
