@@ -101,6 +101,9 @@ def test_bad_files_are_one_line_and_untouched(tmp_path, capsys):
     cfg.write_text("{")
     assert main(["plan", "--config", str(cfg)]) == 2
     assert "not valid JSON" in capsys.readouterr().err
+    for url in ("postgres://u@h/k3tune", "mysql://u@h/k3tune"):  # SQLAlchemy said "Can't load plugin: ..."
+        assert main(["sweep", "--simulate", "gb300", "--spec", "smoke", "--db", url]) == 4
+        assert "unsupported database URL scheme" in capsys.readouterr().err
 
 
 def test_a_spec_the_model_cannot_plan_fails_before_any_database_is_made(tmp_path, capsys):

@@ -61,6 +61,10 @@ def to_url(target: str | os.PathLike) -> tuple[str, Path | None]:
     if "://" in s:
         if s.startswith("sqlite:///"):
             return s, Path(s[len("sqlite:///"):])
+        scheme = s.split("://", 1)[0]
+        if scheme.split("+", 1)[0] != "postgresql":  # "postgres://", "mysql://": SQLAlchemy's plugin error otherwise
+            raise DatabaseError(f"unsupported database URL scheme '{scheme}': give a SQLite path or a "
+                                "postgresql:// URL")
         return s, None
     p = Path(s).expanduser().resolve()
     return f"sqlite:///{p}", p
