@@ -60,7 +60,7 @@ def sweep(
     """
     sp = specs.load(spec)
     model = models.load(config or sp.model_config)
-    problems.build(sp, model)  # an unknown op or a tp the model's widths do not divide: before any database or worker
+    plan = problems.build(sp, model)  # an unknown op or a tp the widths do not divide: before any database or worker
     hw = None
     if simulate is not None:
         backend = "simulated"
@@ -101,7 +101,7 @@ def sweep(
 
         stats = run_sweep(SweepOptions(sp, model, database, backend, workers, hw=hw, trial_timeout_s=trial_timeout,
                                        lease_s=lease, wait_for_others=wait, command=command, progress=on_progress,
-                                       compile_procs=compile_procs))
+                                       compile_procs=compile_procs, plan=plan))
     summary = {"database": str(database.path or database.url), "backend": label, "run_id": stats.run_id,
                "problems": stats.problems_total, "already_done": stats.problems_done_before,
                "tuned_now": stats.problems_done, "trials": stats.trials, "failed_trials": stats.failed,

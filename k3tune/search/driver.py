@@ -64,6 +64,7 @@ class SweepOptions:
     # the only one whose blocks run them); internal: ``only_ops`` limits a phase to its ops
     phased: bool | None = None
     only_ops: frozenset[str] | None = None
+    plan: plans.Plan | None = None  # spec x model, when the caller has built it already (None: built here)
 
 
 @dataclass
@@ -196,7 +197,7 @@ def _merged(a: SweepStats, b: SweepStats) -> SweepStats:
 
 def run_sweep(opt: SweepOptions) -> SweepStats:
     t_start = time.monotonic()
-    plan = plans.build(opt.spec, opt.model)  # once: the phases share it
+    plan = opt.plan or plans.build(opt.spec, opt.model)  # once: the phases share it
     phased = opt.phased if opt.phased is not None else opt.backend == "gpu"
     if opt.only_ops is None and phased:
         ops = {p.op for p in plan.problems if families_for(p, opt.backend)}
