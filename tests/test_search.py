@@ -554,6 +554,45 @@ def test_kill_9_mid_sweep_then_resume(tmp_path):
     assert set(states) == {"done"} and searched == winners == 1124  # polish passes have claims of their own
 
 
+def _live_members(pgid: int) -> list[int]:
+    """Processes of a process group that are alive (Linux /proc; zombies left for init to reap are not)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # exited while we looked
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            out.append(int(stat.parent.name))
+    return out
+
+
+def test_ctrl_c_mid_sweep_says_so_and_keeps_its_trials(tmp_path):
+    """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) mid-sweep: exit 130 with a one-line
+    message saying how to resume (typer turned it into a silent 130 before), no traceback, the run marked
+    interrupted, the committed trials kept and no worker left behind."""
+    db_path = tmp_path / "i.sqlite"
+    cmd = [sys.executable, "-m", "k3tune", "sweep", "--gpus", "2", "--simulate", "gb300", "--spec", "default",
+           "--db", str(db_path)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # not inherited ignored
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (db_path.exists() and _count(db_path) > 200):
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    assert "interrupted: finished trials are saved; run the same command again to resume" in err
+    assert "Traceback" not in err
+    assert _live_members(proc.pid) == []  # every worker has exited (a zombie awaiting its reaper is not alive)
+    import sqlite3
+
+    with sqlite3.connect(db_path) as c:
+        assert c.execute("select status from runs").fetchall() == [("interrupted",)]
+        assert c.execute("select count(*) from trials").fetchone()[0] > 200
+        assert c.execute("select count(*) from winners").fetchone()[0] < 1124
+
+
 def test_simulated_h200_cublas_is_calibrated_against_measurements():
     """The roofline model of cuBLAS on the H200 lands near what cuBLAS measured there (reference table
     copied from the H200 baselines): geometric mean within 20%, every shape within 2x."""

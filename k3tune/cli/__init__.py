@@ -34,10 +34,22 @@ def _bare_simulate(argv: list[str]) -> list[str]:
     return out
 
 
+INTERRUPTED = 130  # the shell's status for Ctrl-C
+
+
+def _interrupted(argv: list[str]) -> int:
+    what = "finished trials are saved; run the same command again to resume" if argv[:1] == ["sweep"] else \
+        "stopped"
+    print(f"interrupted: {what}", file=sys.stderr)
+    return INTERRUPTED
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = _bare_simulate(list(sys.argv[1:] if argv is None else argv))
     try:
         rv = app(args=argv, prog_name="k3tune", standalone_mode=False)
+        if rv == INTERRUPTED:  # typer turns a KeyboardInterrupt into Exit(130), returned without a word
+            return _interrupted(argv)
         return rv if isinstance(rv, int) else 0
     except K3TuneError as e:
         if settings.load().debug:
@@ -45,13 +57,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
     except typer.Exit as e:
-        return e.exit_code
+        return _interrupted(argv) if e.exit_code == INTERRUPTED else e.exit_code
     except typer.TyperException as e:  # usage errors: typer prints them with the command's usage
         e.show()
         return getattr(e, "exit_code", 2)
     except (typer.Abort, KeyboardInterrupt):
-        print("interrupted: finished trials are saved; run the same command again to resume", file=sys.stderr)
-        return 130
+        return _interrupted(argv)
 
 
 def entry() -> None:
