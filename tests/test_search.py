@@ -584,6 +584,9 @@ def test_ctrl_c_mid_sweep_says_so_and_keeps_its_trials(tmp_path):
     assert proc.returncode == 130, err[-2000:]
     assert "interrupted: finished trials are saved; run the same command again to resume" in err
     assert "Traceback" not in err
+    deadline = time.monotonic() + 10  # a child still in its exit path (alive, cmdline gone) for ~50 ms is not left
+    while _live_members(proc.pid) and time.monotonic() < deadline:  # behind; one alive after seconds would be
+        time.sleep(0.05)
     assert _live_members(proc.pid) == []  # every worker has exited (a zombie awaiting its reaper is not alive)
     import sqlite3
 
