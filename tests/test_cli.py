@@ -157,6 +157,9 @@ def test_verify_reports_a_truncated_database(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     # SQLite words it by where the cut falls: "malformed" or the b-tree pages it cannot read
     assert not out["ok"] and any(w in out["integrity"][0] for w in ("malformed", "btreeInitPage", "never used"))
+    assert main(["db", "verify", str(db), "--spec", "smoke"]) == 1
+    text = capsys.readouterr().out
+    assert "schema not read" in text and "upgrade" not in text  # not a case for `k3tune db upgrade`
 
 
 def test_verify_names_the_ops_whose_winners_are_stale(tmp_path, capsys):

@@ -66,8 +66,10 @@ def verify(db: DbArg = None, spec: SpecOption = None, config: ConfigOption = Non
     if json:
         print_json(v.as_dict())
     else:
-        console.print(f"integrity: {escape(', '.join(v.integrity)) or 'n/a'}; schema {v.schema} "
-                      f"({'current' if v.schema_ok else 'needs k3tune db upgrade'}); {v.winners} winners")
+        readable = v.integrity in (["ok"], [])
+        schema = (f"schema {v.schema} ({'current' if v.schema_ok else 'needs k3tune db upgrade'})" if readable
+                  else "schema not read")  # an unreadable file is no case for an upgrade
+        console.print(f"integrity: {escape(', '.join(v.integrity)) or 'n/a'}; {schema}; {v.winners} winners")
         by_op = ", ".join(f"{op} {n}" for op, n in sorted(v.stale_by_op.items()))
         console.print(f"stale winners: {len(v.stale)}{f' ({by_op})' if by_op else ''}; "
                       f"parameters outside the space: {len(v.out_of_space)}")
