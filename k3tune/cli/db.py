@@ -66,8 +66,7 @@ def verify(db: DbArg = None, spec: SpecOption = None, config: ConfigOption = Non
     if json:
         print_json(v.as_dict())
     else:
-        readable = v.integrity in (["ok"], [])
-        schema = (f"schema {v.schema} ({'current' if v.schema_ok else 'needs k3tune db upgrade'})" if readable
+        schema = (f"schema {v.schema} ({'current' if v.schema_ok else 'needs k3tune db upgrade'})" if v.readable
                   else "schema not read")  # an unreadable file is no case for an upgrade
         console.print(f"integrity: {escape(', '.join(v.integrity)) or 'n/a'}; {schema}; {v.winners} winners")
         by_op = ", ".join(f"{op} {n}" for op, n in sorted(v.stale_by_op.items()))

@@ -54,9 +54,14 @@ class Verification:
     swept_specs: list[str] = field(default_factory=list)  # the spec digests the database's runs were swept with
 
     @property
+    def readable(self) -> bool:
+        """SQLite's integrity check passed (or had nothing to say): the schema and winners could be read."""
+        return self.integrity in (["ok"], [])
+
+    @property
     def ok(self) -> bool:
         full = all(c["covered"] == c["total"] for c in self.coverage.values())
-        return self.integrity in (["ok"], []) and self.schema_ok and not self.stale and not self.out_of_space and full
+        return self.readable and self.schema_ok and not self.stale and not self.out_of_space and full
 
     def as_dict(self) -> dict:
         return {"ok": self.ok, "integrity": self.integrity, "schema": self.schema, "schema_ok": self.schema_ok,
@@ -67,8 +72,9 @@ class Verification:
 
 def verify(db: Database, plan: plans.Plan | None = None) -> Verification:
     integrity = db.quick_check()
-    if integrity not in (["ok"], []):
-        return Verification(integrity, None, False)
+    unread = Verification(integrity, None, False)
+    if not unread.readable:
+        return unread
     rev = db.revision()
     v = Verification(integrity, rev, rev == head_revision())
     if not v.schema_ok:
