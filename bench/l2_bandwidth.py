@@ -4,7 +4,9 @@ once plus the activations once per row tile that reads them), which at M = 16 ca
     python bench/l2_bandwidth.py
 
 A Triton read kernel (16-byte ``ld.global.cg`` loads that skip L1, as the GEMMs' cp.async copies do; a sum keeps
-them live) runs in a CUDA graph of launches; medians and IQRs of the per-launch time, in TB/s of bytes read:
+them live) is timed as the measurer times kernels (``measure_gpu.time_graph``: a CUDA graph of launches, warm-up,
+queued replays); medians and IQRs of the per-launch time, in TB/s of bytes read. (Session 32's numbers came from an
+equivalent helper of this script's own: a graph of 20 launches, 3 warm-up calls, 15 replays synchronised one by one.)
 - ``own``: 132 x 8 programs each read their own slice of a buffer ``reps`` times (L2-resident when the buffer is
   well under the L2, HBM when it is not);
 - ``shared``: every program reads the same small region ``reps`` times, as every row tile of a split-K GEMM
@@ -23,6 +25,8 @@ import statistics
 import torch
 import triton
 import triton.language as tl
+
+from k3tune.search.measure_gpu import time_graph
 
 
 @triton.jit
@@ -50,27 +54,11 @@ def _mixed(w, x, out, w_off, w_chunk, x_chunk, splits, BLOCK: tl.constexpr):
     tl.store(out + pid, tl.sum(acc))
 
 
-def timed(fn, launches: int = 20, samples: int = 15) -> tuple[float, float]:
-    """Median and IQR in seconds per launch of ``fn`` replayed in a CUDA graph of ``launches`` launches."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(launches):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(samples):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3 / launches)
-    q = statistics.quantiles(times, n=4)
-    return statistics.median(times), q[2] - q[0]
+def timed(run, sets: list[dict], samples: int = 15) -> tuple[float, float]:
+    """Median and IQR in seconds per launch of ``run`` over ``sets`` (the measurer's CUDA-graph timing)."""
+    t = time_graph(run, sets, samples)
+    q = statistics.quantiles(t, n=4)
+    return statistics.median(t) / 1e6, (q[2] - q[0]) / 1e6
 
 
 def main() -> None:
@@ -97,10 +85,10 @@ def main() -> None:
             src = torch.randn(chunk, dtype=torch.bfloat16, device="cuda")
             stride, read = 0, chunk * progs * 2 * reps
 
-        def fn(src=src, chunk=chunk, stride=stride, reps=reps):
+        def fn(_, src=src, chunk=chunk, stride=stride, reps=reps):
             _read[(progs,)](src, out, chunk, stride, reps, BLOCK=args.block, num_warps=4)
 
-        med, iqr = timed(fn)
+        med, iqr = timed(fn, [{}])
         print(f"{mode:6} {size / 2**20:9.3f} MiB x{reps:<3} read {read / 2**20:8.1f} MiB  {med * 1e6:8.2f} us "
               f"(±{iqr * 1e6:.2f})  {read / med / 1e12:5.2f} TB/s", flush=True)
         del src
@@ -117,14 +105,11 @@ def mixed(block: int, out) -> None:
     for ratio in (0.0, 0.25, 0.5, 1.0):
         x_chunk = int(w_chunk * ratio)  # a step's activation loads past it are masked off
         x = torch.randn(w_chunk * splits, dtype=torch.bfloat16, device="cuda")
-        state = {"i": 0}
 
-        def fn(x=x, x_chunk=x_chunk, state=state):
-            off = (state["i"] % slabs) * slab
-            state["i"] += 1
-            _mixed[(progs,)](w, x, out, off, w_chunk, x_chunk, splits, BLOCK=block, num_warps=4)
+        def fn(s, x=x, x_chunk=x_chunk):  # launch i reads slab i: a new one each launch, from HBM
+            _mixed[(progs,)](w, x, out, s["off"], w_chunk, x_chunk, splits, BLOCK=block, num_warps=4)
 
-        med, iqr = timed(fn, launches=slabs)
+        med, iqr = timed(fn, [{"off": k * slab} for k in range(slabs)])
         hbm, l2 = slab * 2, x_chunk * 2 * progs
         print(f"mixed  step {block * 2 >> 10} KB ratio {ratio:4.2f}  HBM {hbm / 2**20:5.1f} MiB + L2 {l2 / 2**20:5.1f} MiB  {med * 1e6:6.2f} us "
               f"(±{iqr * 1e6:.2f})  HBM alone at {hbm / med / 1e12:4.2f} TB/s, all {(hbm + l2) / med / 1e12:4.2f} TB/s",
