@@ -4,8 +4,12 @@ the TP-free fp32 reference of the model its shards make up, and be the same on e
 cannot check this: its ranks all hold the same shards. The GPU case runs the CuTe expert kernels (bf16 and MXFP4) in
 two ranks on one GPU over gloo (a correctness run: NCCL takes one GPU a rank, issue 5's multi-GPU work)."""
 
+import json
 import os
 import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -96,3 +100,24 @@ def test_group_collectives_refuse_without_a_process_group_and_a_mismatched_tp():
         MoEBlock.build(random_weights(SMALL, 2), "stock", batch=1, comm=EmulatedComm(4))
     with pytest.raises(ConfigError, match="rank 2 of tp=2"):
         random_weights(SMALL, 2, rank=2)
+
+
+def test_group_bench_runs_end_to_end_on_cpu_ranks(tmp_path):
+    """bench/moe_group.py (the real-group block against its emulation, for a multi-GPU device) in its CPU mode: real
+    spawned gloo ranks serving the block at reduced widths, every rank's output the same, the labels saying so."""
+    cfg = tmp_path / "tiny.json"
+    cfg.write_text(json.dumps({"hidden_size": 256, "num_experts": 32, "num_experts_per_token": 4,
+                               "routed_expert_hidden_size": 128, "moe_intermediate_size": 128,
+                               "num_shared_experts": 2}))
+    out = tmp_path / "group.json"
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, str(root / "bench" / "moe_group.py"), "--device", "cpu", "--gpus", "2",
+                        "--config", str(cfg), "--batches", "1,3", "--layers", "1", "--out", str(out)],
+                       capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["batch"] for row in rows] == [1, 3] and all(row["ranks_agree"] for row in rows)
+    assert rows[0]["ran"]["collectives"] == "torch.distributed gloo (tp=2, rank 0): real collectives"
+    bad = subprocess.run([sys.executable, str(root / "bench" / "moe_group.py"), "--device", "cpu", "--gpus", "1"],
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert bad.returncode != 0 and "a TP group needs 2 or more ranks" in bad.stderr
