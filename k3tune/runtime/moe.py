@@ -27,6 +27,13 @@ builds the unsharded weights that this convention implies, so a TP-free torch re
 For the row-parallel up-projection the convention makes the ranks' partials sum to (sum of the latent's
 tp slices) @ W_up[rank]^T, so the rank computes that: its own weight bytes, the all-reduced value exactly.
 
+In a real TP group (``k3tune.runtime.tp_group.GroupComm``: one process a rank, torch.distributed) every rank holds
+its own shards and the collectives are real: the routed latent's all-reduce is its own step (the slot sum, the
+all-reduce, then the norm), the up-projection takes this rank's slice of the normed latent, and the final all-reduce
+sums the up-projection's partial with the shared experts'. ``assemble_full`` builds the unsharded weights from every
+rank's shards for the reference. The comm decides each of those steps (``real``, ``replicate``, ``latent_slice``,
+``all_reduce_add``), so one block serves both.
+
 SiTU (``hidden_act: situ``, beta 4, linear beta 25 in K3's config) is not defined in any source available
 here; this module assumes the gated form of gpt-oss's clamped SwiGLU: situ(g, u) = g * sigmoid(beta g) *
 clamp(u, -linear_beta, linear_beta). It is one function (``situ``): the block's cost does not depend on it.
@@ -118,13 +125,17 @@ def _dequantize(pair):
 
 def random_weights(shape: BlockShape, tp: int, rank: int = 0, fmt: str = "bf16", device="cpu",
                    seed: int = 0) -> RankWeights:
-    """Random weights of the true per-rank shapes, scaled so that activations stay O(1)."""
+    """Random weights of the true per-rank shapes, scaled so that activations stay O(1): each rank's shards its own,
+    the replicated parameters (the routing bias, the latent norm) the same on every rank, as a TP group holds them."""
     import torch
 
     shape.check_tp(tp)
     if fmt not in ("bf16", "mxfp4"):
         raise ConfigError(f"expert weight format {fmt!r}: expected bf16 or mxfp4")
+    if not 0 <= rank < tp:
+        raise ConfigError(f"rank {rank} of tp={tp}")
     g = torch.Generator(device=device).manual_seed(seed * 1000 + rank)
+    same = torch.Generator(device=device).manual_seed(seed * 1000 + 999)  # every rank's replicated parameters
     h, e, lat, i, s = shape.hidden, shape.experts, shape.latent, shape.inter // tp, shape.shared_inter // tp
 
     def mat(*dims, fan_in):
@@ -135,35 +146,51 @@ def random_weights(shape: BlockShape, tp: int, rank: int = 0, fmt: str = "bf16",
         w13, w2 = mxfp4.quantize(w13), mxfp4.quantize(w2)
     return RankWeights(shape, tp, rank, fmt,
                        w_rl=mat((e + shape.latent) // tp, h, fan_in=h),
-                       bias=(torch.randn(e, generator=g, device=device) * 0.1).float(),
+                       bias=(torch.randn(e, generator=same, device=device) * 0.1).float(),
                        w13=w13, w2=w2,
-                       norm=(1 + 0.1 * torch.randn(lat, generator=g, device=device)).to(torch.bfloat16),
+                       norm=(1 + 0.1 * torch.randn(lat, generator=same, device=device)).to(torch.bfloat16),
                        w_up=mat(h, lat // tp, fan_in=lat),
                        shared_w13=mat(2 * s, h, fan_in=h), shared_w2=mat(h, s, fan_in=shape.shared_inter))
 
 
 def virtual_full(w: RankWeights) -> dict:
-    """The unsharded weights implied by 'every rank holds this rank's shards', in fp32, for references.
-    Experts come one at a time (``full["expert"](e) -> (w13, w2)``): all of them in fp32 would not fit."""
+    """The unsharded weights implied by 'every rank holds this rank's shards' (the emulated collectives'
+    convention), in fp32, for references."""
+    return assemble_full([w] * w.tp)
+
+
+def assemble_full(ranks: list[RankWeights]) -> dict:
+    """The unsharded weights, in fp32, of a TP group whose rank r holds ``ranks[r]``'s shards (the replicated bias
+    and norm from rank 0). Experts come one at a time (``full["expert"](e) -> (w13, w2)``): all of them in fp32
+    would not fit."""
     import torch
 
-    tp = w.tp
+    w = ranks[0]
+    if len(ranks) != w.tp:
+        raise ConfigError(f"{len(ranks)} ranks' weights for tp={w.tp}")
 
-    def rows(t):  # gate rows then up rows, per rank: the full matrix has all gates, then all ups
-        gate, up = t.float().chunk(2, dim=-2)
-        return torch.cat([gate] * tp + [up] * tp, dim=-2)
+    def cat(ts, dim):
+        return torch.cat([t.float() for t in ts], dim=dim)
+
+    def rows(ts):  # gate rows then up rows, per rank: the full matrix has all gates, then all ups
+        halves = [t.float().chunk(2, dim=-2) for t in ts]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=-2)
+
+    def shard(r: RankWeights, which: str, e: int):
+        pair = getattr(r, which)
+        return pair[e] if r.fmt == "bf16" else mxfp4.dequantize(moe_experts_tc.expert_codes(pair[0], e), pair[1][e])
 
     def expert(e: int):
-        if w.fmt == "bf16":
-            w13, w2 = w.w13[e], w.w2[e]
-        else:
-            w13 = mxfp4.dequantize(moe_experts_tc.expert_codes(w.w13[0], e), w.w13[1][e])
-            w2 = mxfp4.dequantize(moe_experts_tc.expert_codes(w.w2[0], e), w.w2[1][e])
-        return rows(w13), torch.cat([w2.float()] * tp, dim=-1)
+        got: dict[int, tuple] = {}  # each distinct rank's shards once (virtual_full repeats one rank tp times)
+        for r in ranks:
+            if id(r) not in got:
+                got[id(r)] = (shard(r, "w13", e), shard(r, "w2", e))
+        pairs = [got[id(r)] for r in ranks]
+        return rows([p[0] for p in pairs]), cat([p[1] for p in pairs], -1)
 
-    return {"w_rl": torch.cat([w.w_rl.float()] * tp, dim=0), "bias": w.bias.float(), "expert": expert,
-            "norm": w.norm.float(), "w_up": torch.cat([w.w_up.float()] * tp, dim=-1),
-            "shared_w13": rows(w.shared_w13), "shared_w2": torch.cat([w.shared_w2.float()] * tp, dim=-1)}
+    return {"w_rl": cat([r.w_rl for r in ranks], 0), "bias": w.bias.float(), "expert": expert,
+            "norm": w.norm.float(), "w_up": cat([r.w_up for r in ranks], -1),
+            "shared_w13": rows([r.shared_w13 for r in ranks]), "shared_w2": cat([r.shared_w2 for r in ranks], -1)}
 
 
 def reference(x, full: dict, shape: BlockShape, top=None):
@@ -212,6 +239,8 @@ class EmulatedComm:
     occupies the GPU for the time that link would take — ``latency_us`` plus the ring's bytes over the link —
     with a spin kernel that reads no memory (a stand-in: HBM stays free, as it would be). The label says
     emulated, with the target."""
+
+    real = False  # the other ranks' shards are taken to be this rank's (see the module doc)
 
     def __init__(self, tp: int, link_gbps: float = 0.0, latency_us: float = 0.0, target: str = ""):
         self.tp, self.link_gbps, self.latency_us = tp, link_gbps, latency_us
@@ -275,8 +304,10 @@ class EmulatedComm:
         self._occupy(x)
         return x if self.tp == 1 else x * self.tp
 
-    def all_reduce_add(self, x, base):
-        """base + all_reduce(x), one launch (with the stand-in, on a GPU)."""
+    def all_reduce_add(self, x, base, partial: bool = False):
+        """base + all_reduce(x), one launch (with the stand-in, on a GPU). ``partial`` (the tuned path's row-parallel
+        up-projection) changes nothing here: under the identical-shard convention that partial already is the
+        all-reduced value."""
         import torch
 
         if self.tp > 1 and x.shape == base.shape and self._fused(x, base):
@@ -286,6 +317,17 @@ class EmulatedComm:
             return out
         self._occupy(x)
         return torch.add(base, x, alpha=self.tp)
+
+
+    def replicate(self, t, dim: int):
+        """The unsharded weight of which every rank holds shard ``t`` along ``dim`` (ranks in order)."""
+        import torch
+
+        return torch.cat([t] * self.tp, dim=dim)
+
+    def latent_slice(self, normed):
+        """What this rank's row-parallel up-projection multiplies: the sum of the latent's tp slices (module doc)."""
+        return _slice_sum(normed, self.tp)
 
 
 _SPIN_CYCLES_PER_US = 1980  # torch.cuda._sleep spins in SM clock cycles; H200 boost clock 1.98 GHz
@@ -331,6 +373,8 @@ class MoEBlock:
         if path not in ("stock", "tuned"):
             raise ConfigError(f"MoE block path {path!r}: expected stock or tuned")
         tokens = batch * (1 + draft)
+        if comm is not None and comm.tp != weights.tp:
+            raise ConfigError(f"the collectives are for tp={comm.tp}, the weights are one rank's of tp={weights.tp}")
         blk = cls(weights, path, tokens, comm or EmulatedComm(weights.tp))
         w = weights
         dev = w.w_rl.device
@@ -338,8 +382,8 @@ class MoEBlock:
         if path == "stock":
             if w.fmt != "bf16":
                 raise ConfigError("the stock path runs bf16 experts (what a stock engine runs); got mxfp4")
-            blk._cache["w_rl_full"] = torch.cat([w.w_rl] * w.tp, dim=0)  # computed in full on every rank
-            blk._cache["w_up_full"] = torch.cat([w.w_up] * w.tp, dim=-1)  # replicated on every rank
+            blk._cache["w_rl_full"] = blk.comm.replicate(w.w_rl, 0)  # computed in full on every rank
+            blk._cache["w_up_full"] = blk.comm.replicate(w.w_up, -1)  # replicated on every rank
             blk.ran["router_latent"] = "F.linear (full width on every rank)"
             blk.ran["dense"] = "F.linear"
             blk.ran["shared"] = "serial, after the routed experts"
@@ -470,7 +514,7 @@ class MoEBlock:
             torch.cuda.current_stream().wait_stream(side)
         if self._cache.get("prefetch") is not None:
             torch.cuda.current_stream().wait_stream(self._cache["prefetch"][0])  # joined: graph-capturable
-        return self.comm.all_reduce_add(shared, up)
+        return self.comm.all_reduce_add(shared, up, partial=self.path == "tuned")
 
     def _routed_part(self, x):
         """Router + latent GEMM, gather, routing, the routed experts, norm, up-projection: this rank's partial
@@ -497,7 +541,7 @@ class MoEBlock:
             routed = self.comm.all_reduce(self._experts(latent, top, weights))
             normed = _rmsnorm(routed, w.norm, shape.rms_eps)
             if self.path == "tuned":
-                normed = _slice_sum(normed, self.comm.tp)
+                normed = self.comm.latent_slice(normed)
         # stock: the up-projection replicated (full width on every rank); tuned: row-parallel, its partial sum
         # joins the shared experts' in the final all-reduce. On one GPU, with every rank holding this rank's
         # slice of w_up, the ranks' partials sum to (sum of the latent's slices) @ slice^T: one GEMM of the
@@ -539,6 +583,10 @@ class MoEBlock:
         # tokens' fp32 latent rows, not the per-slot partials; here the sum runs fused with the norm, after the
         # stand-in's spin in the same launch (an all-reduce fused with the norm)
         tokens = c["normed"].shape[0]
+        if self.comm.real:  # the slot sum, the group's all-reduce, the norm, this rank's slice; groups reset
+            routed = self.comm.all_reduce(c["per_slot"].view(tokens, shape.top_k, -1).sum(1))
+            g.counts.zero_()
+            return self.comm.latent_slice(_rmsnorm(routed, w.norm, shape.rms_eps)).to(torch.bfloat16)
         moe_experts.sum_norm(c["per_slot"], w.norm, c["normed"], shape.top_k, shape.rms_eps / self.comm.tp ** 2, g,
                              slices=self.comm.tp, cycles=self.comm.cycles(tokens * shape.latent * 4), pdl=pdl)
         return c["normed"]
