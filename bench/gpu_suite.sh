@@ -31,6 +31,7 @@ done
 wait
 status=0
 total=0
+declare -A sum=()
 for ((i = 0; i < P; i++)); do
   [ -s $work/shard$i ] || continue
   log=$out/gpu-suite-$i.log
@@ -41,10 +42,10 @@ for ((i = 0; i < P; i++)); do
   for kind in passed skipped failed error xfailed xpassed; do
     c=$(grep -E "^=*.* in [0-9.]+s" $log | tail -1 | grep -oE "[0-9]+ $kind" | awk '{print $1}')
     total=$((total + ${c:-0}))
-    eval "sum_$kind=\$(( \${sum_$kind:-0} + ${c:-0} ))"
+    sum[$kind]=$(( ${sum[$kind]:-0} + ${c:-0} ))
   done
 done
-echo "suite: ${sum_passed:-0} passed, ${sum_skipped:-0} skipped, ${sum_failed:-0} failed, ${sum_error:-0} errors" \
+echo "suite: ${sum[passed]} passed, ${sum[skipped]} skipped, ${sum[failed]} failed, ${sum[error]} errors" \
   "(${total} of $n ids reported)"
 [ "$total" = "$n" ] || status=1
 exit $status
