@@ -45,19 +45,26 @@ class GroupComm:
             fn(t)
         return t
 
-    def all_reduce(self, x):
-        """The group's sum of ``x`` (fp32 math), in ``x``'s dtype."""
+    def _sum_(self, t):
+        """The group's sum of the fp32 tensor ``t``, in place (``t`` is a temporary of the caller's)."""
         import torch.distributed as dist
 
-        out = self._run(lambda t: dist.all_reduce(t, group=self.group), x.float().clone())
-        return out.to(x.dtype)
+        return self._run(lambda h: dist.all_reduce(h, group=self.group), t)
+
+    def all_reduce(self, x):
+        """The group's sum of ``x`` (fp32 math), in ``x``'s dtype."""
+        import torch
+
+        return self._sum_(x.to(torch.float32, copy=True)).to(x.dtype)
 
     def all_reduce_add(self, x, base, partial: bool = False):
         """The block's last step: all_reduce(base + x) where ``base`` is this rank's partial (the tuned path's
         row-parallel up-projection), else base + all_reduce(x) (``base`` replicated: the stock path's)."""
+        import torch
+
         if partial:
-            return self.all_reduce(base.float() + x.float()).to(base.dtype)
-        return (base.float() + self.all_reduce(x.float())).to(base.dtype)
+            return self._sum_(base.float() + x.float()).to(base.dtype)
+        return (base.float() + self._sum_(x.to(torch.float32, copy=True))).to(base.dtype)
 
     def _gather(self, t):
         """[tp, *t.shape]: every rank's ``t``, in rank order."""
