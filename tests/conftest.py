@@ -59,6 +59,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.fixture
+def free_port() -> int:
+    """A TCP port on localhost that nothing listens on (a process group's rendezvous, a server's)."""
+    return _free_port()
+
+
 @pytest.fixture(scope="session")
 def pg_server(tmp_path_factory):
     """A PostgreSQL server on loopback for this test session. Skipped without the binaries, except under

@@ -6,7 +6,6 @@ two ranks on one GPU over gloo (a correctness run: NCCL takes one GPU a rank, is
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -20,12 +19,6 @@ from k3tune.runtime.moe import BlockShape, MoEBlock, assemble_full, random_weigh
 
 SMALL = BlockShape(hidden=256, experts=32, top_k=4, latent=128, inter=128, shared_inter=256)
 MID = BlockShape(hidden=1024, experts=64, top_k=8, latent=512, inter=512, shared_inter=1024)  # CuTe expert kernels
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank(rank: int, world: int, port: int, path: str, fmt: str, device: str = "cpu") -> None:
@@ -65,14 +58,14 @@ def _rank(rank: int, world: int, port: int, path: str, fmt: str, device: str = "
 
 @pytest.mark.parametrize("world,path,fmt", [(2, "stock", "bf16"), (2, "tuned", "bf16"), (2, "tuned", "mxfp4"),
                                             (4, "tuned", "bf16")])
-def test_block_in_a_real_group_matches_the_model_its_shards_make(world, path, fmt):
-    mp.spawn(_rank, args=(world, _free_port(), path, fmt), nprocs=world, join=True)
+def test_block_in_a_real_group_matches_the_model_its_shards_make(world, path, fmt, free_port):
+    mp.spawn(_rank, args=(world, free_port, path, fmt), nprocs=world, join=True)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
-def test_cute_block_in_a_real_group_on_one_gpu_matches(fmt):
-    mp.spawn(_rank, args=(2, _free_port(), "tuned", fmt, "cuda"), nprocs=2, join=True)
+def test_cute_block_in_a_real_group_on_one_gpu_matches(fmt, free_port):
+    mp.spawn(_rank, args=(2, free_port, "tuned", fmt, "cuda"), nprocs=2, join=True)
 
 
 def test_assembled_weights_put_each_ranks_shards_in_rank_order():
