@@ -76,7 +76,7 @@ def run(rank: int, args, gpu: bool) -> list[dict]:
         row = {"tp": tp, "batch": batch, "routing": args.routing, "fmt": args.fmt, "ran": blocks[0].ran}
         if not gpu:  # the smoke run: one eager step, every rank's output the same
             y = blocks[0](x)
-            every = comm._gather(y)
+            every = comm.gather(y)
             row["ranks_agree"] = all(torch.equal(every[0], o) for o in every)
             rows.append(row)
             continue

@@ -50,7 +50,7 @@ def _rank(rank: int, world: int, port: int, path: str, fmt: str, device: str = "
         # the shards differ, so the emulation's model (every rank holding this one's) is another model
         alone, _, _ = reference(x, virtual_full(ranks[rank]), shape, top=blk.last_top)
         assert ((alone - ref).norm() / ref.norm()).item() > 0.1
-        every = comm._gather(out)
+        every = comm.gather(out)
         assert all(torch.equal(every[0], o) for o in every), "the ranks' outputs differ"
     finally:
         dist.destroy_process_group()

@@ -66,7 +66,7 @@ class GroupComm:
             return self._sum_(base.float() + x.float()).to(base.dtype)
         return (base.float() + self._sum_(x.to(torch.float32, copy=True))).to(base.dtype)
 
-    def _gather(self, t):
+    def gather(self, t):
         """[tp, *t.shape]: every rank's ``t``, in rank order."""
         import torch
         import torch.distributed as dist
@@ -85,14 +85,14 @@ class GroupComm:
 
     def all_gather(self, x):
         """[B, n] on each rank -> [B, tp n]: the ranks' columns side by side, in rank order."""
-        g = self._gather(x)  # [tp, B, n]
+        g = self.gather(x)  # [tp, B, n]
         return g.permute(1, 0, 2).reshape(x.shape[0], -1)
 
     def replicate(self, t, dim: int):
         """The unsharded weight of which this rank holds shard ``t`` along ``dim`` (ranks in order)."""
         import torch
 
-        return torch.cat(list(self._gather(t).unbind(0)), dim=dim)
+        return torch.cat(list(self.gather(t).unbind(0)), dim=dim)
 
     def latent_slice(self, normed):
         """This rank's slice of the normed latent: what its row-parallel up-projection multiplies."""
