@@ -74,14 +74,14 @@ class GroupComm:
         t = t.contiguous()
         out = torch.empty((self.tp, *t.shape), dtype=t.dtype, device=t.device)
 
-        def gather(o):
+        def into(o):
             src = t.to(o.device)
             if self.backend == "nccl":
                 dist.all_gather_into_tensor(o, src, group=self.group)
             else:
                 dist.all_gather(list(o.unbind(0)), src, group=self.group)
 
-        return self._run(gather, out)
+        return self._run(into, out)
 
     def all_gather(self, x):
         """[B, n] on each rank -> [B, tp n]: the ranks' columns side by side, in rank order."""
