@@ -291,7 +291,7 @@ def bench(args) -> None:
 
     torch.manual_seed(0)
     bw = copy_bandwidth()
-    K, inter = 3584, 384  # K3's latent, w13 at TP8: 2 x 384 rows an expert
+    K, inter = args.k, args.rows // 2  # w13 at TP8 by default: K3's latent, 2 x 384 rows an expert
     rows, built = [], {}
     print(f"# {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s")
     for tm, experts in [(int(a), int(b)) for a, b in (p.split(":") for p in args.points.split(","))]:
@@ -385,6 +385,8 @@ def main() -> None:
     b.add_argument("--tc", default='{"m_tiles":1,"warps_n":2,"warps_k":2,"unroll":2,"dq":1,"ring":2};'
                            '{"m_tiles":1,"warps_n":2,"warps_k":2,"unroll":2,"dq":1}',
                    help="shipped TcExpertConfig kwargs, ';'-separated (default: the DB's TP8 b8 w13 winner)")
+    b.add_argument("--k", type=int, default=3584, help="K (w2 at TP8: 384)")
+    b.add_argument("--rows", type=int, default=768, help="rows an expert (w2: 3584; the shipped comparator is w13 only)")
     b.add_argument("--samples", type=int, default=15)
     b.add_argument("--out", default="")
     args = ap.parse_args()
