@@ -1,0 +1,136 @@
+"""The MXFP4 routed experts' w13 alone, kernel against kernel, side by side in one run: the shipped tensor-core w13
+(``moe_experts_tc``, each point's DB winner config and work-item size) against the staged wgmma e4m3 w13
+(``moe_experts_wg``, NOTES session 34), on the same imposed routing and the same layers of weights.
+
+    python bench/moe_wg_ab.py --db ../tuning_db/h200.sqlite [--tps 8,16] [--batches 1,2,4,8,16,32,64]
+                              [--routings uniform,zipf:1.2] [--wg 4/2,3/2] [--layers 4] [--out x.json]
+
+Each variant's graph runs, per layer (``--layers`` layers of distinct weights, read from HBM): the groups reset, the
+route kernel (imposed ids) and w13. ``wg_S/R`` times the wgmma kernel on activations quantised before the graph;
+``wgq_S/R`` adds the activations' quantisation (torch, until it is a kernel) inside the graph. Median and IQR per
+layer; the roofline floor is the w13 bytes (codes + scales) of the distinct experts selected over the measured copy
+bandwidth. Runs from bench/. Prints a table; JSON to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sqlite3
+import statistics
+from pathlib import Path
+
+import torch
+from gemm import copy_bandwidth  # bench/gemm.py
+
+from k3tune.kernels import moe_experts, moe_experts_tc, moe_experts_wg, mxfp4
+from k3tune.kernels.moe_block import MoeOverlap, MoeOverlapConfig
+from k3tune.kernels.moe_experts import Groups
+from k3tune.kernels.moe_experts_wg import WgExpertConfig
+from k3tune.plan import routing as routings
+from k3tune.runtime.moe import BlockShape
+from k3tune.search.measure_gpu import time_graph
+
+
+def winner(db: str, tp: int, batch: int, routing: str) -> MoeOverlapConfig:
+    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    rows = con.execute("select w.params from winners w join problems p on p.id = w.problem_id where p.key like ?",
+                       (f"moe.block[tp={tp},M={batch},%format=mxfp4,routing={routing}]",)).fetchall()
+    con.close()
+    if len(rows) != 1:
+        raise SystemExit(f"error: {db} holds {len(rows)} MXFP4 block winners for tp {tp}, batch {batch}, {routing}")
+    return MoeOverlapConfig(**json.loads(rows[0][0]))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--db", required=True, help="the tuning DB whose MXFP4 block winners give the shipped w13 config")
+    ap.add_argument("--tps", default="8,16")
+    ap.add_argument("--batches", default="1,2,4,8,16,32,64")
+    ap.add_argument("--routings", default="uniform,zipf:1.2")
+    ap.add_argument("--wg", default="4/2,3/2", help="moe_experts_wg configs: stages/stage_steps, comma-separated")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--samples", type=int, default=10)
+    ap.add_argument("--out", default="bench-moe-wg-ab.json")
+    args = ap.parse_args()
+    sh = BlockShape.from_config(Path(__file__).resolve().parent.parent / "configs" / "kimi_k3_config.json")
+    bw = copy_bandwidth()
+    print(f"# {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s, db {args.db}")
+    wgs = [WgExpertConfig(*(int(v) for v in c.split("/"))) for c in args.wg.split(",") if c]
+    rows = []
+    for tp in (int(t) for t in args.tps.split(",")):
+        inter, k = sh.inter // tp, sh.latent
+        layers = []
+        for i in range(args.layers):  # random codes and scales (2^-9 .. 2^-4): the timing does not read the values
+            g = torch.Generator(device="cuda").manual_seed(i)
+            codes = torch.randint(0, 256, (sh.experts, 2 * inter, k // 2), dtype=torch.uint8, device="cuda",
+                                  generator=g)
+            scales = torch.randint(118, 124, (sh.experts, 2 * inter, k // 32), dtype=torch.uint8, device="cuda",
+                                   generator=g)
+            layers.append(dict(dq=moe_experts_tc.pack_codes(codes), scales=scales,
+                               wg=moe_experts_wg.pack_w13(codes, scales)))
+            del codes
+        for batch in (int(b) for b in args.batches.split(",")):
+            for routing in args.routings.split(","):
+                ids = routings.sample(routing, sh.experts, sh.top_k, batch, random.Random(batch))
+                top = torch.tensor(ids, dtype=torch.int32, device="cuda")
+                touched = len({e for r in ids for e in r})
+                floor = touched * mxfp4.nbytes(2 * inter, k) / bw * 1e6
+                y = torch.randn(batch, sh.experts + k, device="cuda").to(torch.bfloat16)
+                x = y[:, sh.experts:].contiguous()
+                xq, xs = moe_experts_wg.quantize(x)
+                row = {"tp": tp, "batch": batch, "routing": routing, "touched": touched, "floor_us": floor}
+                cfg = winner(args.db, tp, batch, routing)
+                c13 = MoeOverlap._tc_cfgs(cfg)[0]
+                variants = [("tc_db", c13, cfg.group)] + [(f"wg_{c.stages}/{c.stage_steps}", c, 8) for c in wgs]
+                variants += [(f"wgq_{c.stages}/{c.stage_steps}", c, 8) for c in wgs]
+                for name, c, per in variants:
+                    bufs = [dict(groups=Groups.allocate(sh.experts, batch, sh.top_k, per, "cuda"), top=top.clone(),
+                                 wts=torch.empty(batch, sh.top_k, device="cuda"),
+                                 act=torch.empty(batch * sh.top_k, inter, dtype=torch.bfloat16, device="cuda"))
+                            for _ in layers]
+
+                    def run(_, name=name, c=c, bufs=bufs):
+                        for lay, b in zip(layers, bufs):
+                            b["groups"].counts.zero_()
+                            moe_experts.route(y, _bias(sh.experts),
+                                              b["top"], b["wts"], sh.top_k, 1.0, b["groups"], forced=True)
+                            if name == "tc_db":
+                                moe_experts_tc.run_w13(c, x, lay["dq"], b["act"], b["wts"], b["groups"], 4.0, 25.0,
+                                                       scales=lay["scales"])
+                            else:
+                                q, s = moe_experts_wg.quantize(x) if name.startswith("wgq") else (xq, xs)
+                                moe_experts_wg.run_w13(c, q, s, lay["wg"], b["act"], b["groups"], 4.0, 25.0)
+                    try:
+                        t = time_graph(run, [{}], args.samples)
+                    except Exception as e:  # a variant that cannot run is reported, not fatal
+                        row[name] = {"failed": f"{type(e).__name__}: {str(e)[:200]}"}
+                        print(f"  {name}: FAILED {row[name]['failed']}", flush=True)
+                        continue
+                    t = [v / len(layers) for v in t]
+                    q4 = statistics.quantiles(t, n=4)
+                    med = statistics.median(t)
+                    row[name] = {"us": med, "iqr": q4[2] - q4[0], "roof": floor / med}
+                base = row.get("tc_db", {}).get("us")
+                print(f"tp{tp:<3} batch {batch:<3} {routing:9} experts {touched:4} floor {floor:6.1f} | " +
+                      " ".join(f"{n} {v['us']:6.1f} ({v['roof']:.2f}" + (f", x{base / v['us']:.2f})" if base else ")")
+                               for n, v in row.items() if isinstance(v, dict) and "us" in v), flush=True)
+                rows.append(row)
+        del layers
+        torch.cuda.empty_cache()
+    Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "copy_bw": bw, "rows": rows},
+                                         indent=1))
+
+
+_BIAS = {}
+
+
+def _bias(n: int):
+    if n not in _BIAS:
+        _BIAS[n] = torch.zeros(n, device="cuda")  # imposed routing: the bias is never read
+    return _BIAS[n]
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""The staged wgmma e4m3 w13 (k3tune/kernels/moe_experts_wg.py) against torch in fp32 on the MXFP4 format's
+dequantised weights and the bf16 activations (so the e4m3 hi + lo rounding is inside the tolerance, as the block's
+bf16 path is), outputs poisoned, groups built by the route kernel over skewed routing (items of 1-8 tokens), odd
+sizes: K = 256 (4 steps), I = 64 (one row tile), 5 tokens. Run on the device: pytest -m gpu tests/test_gpu_moe_wg.py"""
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("b,k,experts,inter,latent,cfgs", [
+    (5, 4, 12, 64, 256, [(2, 1), (3, 2)]), (33, 16, 896, 192, 3584, [(4, 2), (3, 1)]),
+    (64, 16, 64, 384, 3584, [(4, 2), (2, 4)])])
+def test_wgmma_w13_matches_torch(b, k, experts, inter, latent, cfgs):
+    import torch
+
+    from k3tune.kernels import moe_experts, moe_experts_wg, mxfp4
+    from k3tune.kernels.moe_experts import Groups
+    from k3tune.runtime.moe import situ
+
+    g = torch.Generator(device="cuda").manual_seed(b * 7 + latent)
+    y = torch.randn(b, experts + latent, device="cuda", generator=g).to(torch.bfloat16)
+    bias = torch.randn(experts, device="cuda", generator=g) * 0.1
+    bias[: max(k, experts // 8)] += 2.0  # a hot set most tokens share: items of many tokens
+    x = (y[:, experts:].float() * torch.exp2(torch.randint(-4, 5, (b, 1), device="cuda").float())).to(torch.bfloat16)
+    w13 = (torch.randn(experts, 2 * inter, latent, device="cuda", generator=g) / latent ** 0.5).to(torch.bfloat16)
+    codes, scales = mxfp4.quantize(w13)
+    w_ref = mxfp4.dequantize(codes, scales).float()
+    packed = moe_experts_wg.pack_w13(codes, scales)
+    xq, xs = moe_experts_wg.quantize(x)
+    grp = Groups.allocate(experts, b, k, moe_experts_wg.TOKENS, "cuda")
+    top = torch.full((b, k), -1, dtype=torch.int32, device="cuda")
+    wts = torch.full((b, k), float("nan"), device="cuda")
+    moe_experts.route(y, bias, top, wts, k, 1.0, grp)
+    torch.cuda.synchronize()
+    assert int(grp.counts[:experts].max()) > 1, "the routing shares experts"
+    e_ids = top.reshape(-1).long()
+    tok = torch.arange(b * k, device="cuda") // k
+    h = torch.einsum("tk,tnk->tn", x.float()[tok], w_ref[e_ids])
+    act_ref = situ(h[:, :inter], h[:, inter:], 4.0, 25.0)
+    for stages, steps in cfgs:
+        cfg = moe_experts_wg.WgExpertConfig(stages, steps)
+        act = torch.full((b * k, inter), float("nan"), dtype=torch.bfloat16, device="cuda")
+        moe_experts_wg.run_w13(cfg, xq, xs, packed, act, grp, 4.0, 25.0)
+        torch.cuda.synchronize()
+        assert not torch.isnan(act.float()).any(), (cfg, "every slot and row written")
+        err = ((act.float() - act_ref).norm() / act_ref.norm()).item()
+        assert err < 1e-2, (cfg, err)
