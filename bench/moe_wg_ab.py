@@ -3,12 +3,11 @@
 (``moe_experts_wg``, NOTES session 34), on the same imposed routing and the same layers of weights.
 
     python bench/moe_wg_ab.py --db ../tuning_db/h200.sqlite [--tps 8,16] [--batches 1,2,4,8,16,32,64]
-                              [--routings uniform,zipf:1.2] [--wg 4/2,3/2] [--layers 4] [--out x.json]
+                              [--routings uniform,zipf:1.2] [--wg 4/2/1,4/2/2] [--layers 4] [--out x.json]
 
 Each variant's graph runs, per layer (``--layers`` layers of distinct weights, read from HBM): the groups reset, the
-route kernel (imposed ids) and w13. ``wg_S/R`` times the wgmma kernel on activations quantised before the graph;
-``wgq_S/R`` adds the activations' quantisation (torch, until it is a kernel) inside the graph. Median and IQR per
-layer; the roofline floor is the w13 bytes (codes + scales) of the distinct experts selected over the measured copy
+route kernel (imposed ids) and w13 (``wg_S/R/rows``: the wgmma kernel quantises the activations itself). Median and
+IQR per layer; the roofline floor is the w13 bytes (codes + scales) of the distinct experts selected over the measured copy
 bandwidth. Runs from bench/. Prints a table; JSON to --out.
 """
 
@@ -49,7 +48,8 @@ def main() -> None:
     ap.add_argument("--tps", default="8,16")
     ap.add_argument("--batches", default="1,2,4,8,16,32,64")
     ap.add_argument("--routings", default="uniform,zipf:1.2")
-    ap.add_argument("--wg", default="4/2,3/2", help="moe_experts_wg configs: stages/stage_steps, comma-separated")
+    ap.add_argument("--wg", default="4/2/1,4/2/2,4/2/3,3/2/2",
+                    help="moe_experts_wg configs: stages/stage_steps/rows, comma-separated")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--samples", type=int, default=10)
     ap.add_argument("--out", default="bench-moe-wg-ab.json")
@@ -68,9 +68,8 @@ def main() -> None:
                                   generator=g)
             scales = torch.randint(118, 124, (sh.experts, 2 * inter, k // 32), dtype=torch.uint8, device="cuda",
                                    generator=g)
-            layers.append(dict(dq=moe_experts_tc.pack_codes(codes), scales=scales,
+            layers.append(dict(codes=codes, dq=moe_experts_tc.pack_codes(codes), scales=scales,
                                wg=moe_experts_wg.pack_w13(codes, scales)))
-            del codes
         for batch in (int(b) for b in args.batches.split(",")):
             for routing in args.routings.split(","):
                 ids = routings.sample(routing, sh.experts, sh.top_k, batch, random.Random(batch))
@@ -79,12 +78,11 @@ def main() -> None:
                 floor = touched * mxfp4.nbytes(2 * inter, k) / bw * 1e6
                 y = torch.randn(batch, sh.experts + k, device="cuda").to(torch.bfloat16)
                 x = y[:, sh.experts:].contiguous()
-                xq, xs = moe_experts_wg.quantize(x)
                 row = {"tp": tp, "batch": batch, "routing": routing, "touched": touched, "floor_us": floor}
                 cfg = winner(args.db, tp, batch, routing)
                 c13 = MoeOverlap._tc_cfgs(cfg)[0]
-                variants = [("tc_db", c13, cfg.group)] + [(f"wg_{c.stages}/{c.stage_steps}", c, 8) for c in wgs]
-                variants += [(f"wgq_{c.stages}/{c.stage_steps}", c, 8) for c in wgs]
+                variants = [("tc_db", c13, cfg.group)]
+                variants += [(f"wg_{c.stages}/{c.stage_steps}/{c.rows}", c, moe_experts_wg.TOKENS) for c in wgs]
                 for name, c, per in variants:
                     bufs = [dict(groups=Groups.allocate(sh.experts, batch, sh.top_k, per, "cuda"), top=top.clone(),
                                  wts=torch.empty(batch, sh.top_k, device="cuda"),
@@ -97,11 +95,10 @@ def main() -> None:
                             moe_experts.route(y, _bias(sh.experts),
                                               b["top"], b["wts"], sh.top_k, 1.0, b["groups"], forced=True)
                             if name == "tc_db":
-                                moe_experts_tc.run_w13(c, x, lay["dq"], b["act"], b["wts"], b["groups"], 4.0, 25.0,
-                                                       scales=lay["scales"])
+                                moe_experts_tc.run_w13(c, x, lay["dq" if c.dq else "codes"], b["act"], b["wts"],
+                                                       b["groups"], 4.0, 25.0, scales=lay["scales"])
                             else:
-                                q, s = moe_experts_wg.quantize(x) if name.startswith("wgq") else (xq, xs)
-                                moe_experts_wg.run_w13(c, q, s, lay["wg"], b["act"], b["groups"], 4.0, 25.0)
+                                moe_experts_wg.run_w13(c, x, lay["wg"], b["act"], b["groups"], 4.0, 25.0)
                     try:
                         t = time_graph(run, [{}], args.samples)
                     except Exception as e:  # a variant that cannot run is reported, not fatal

@@ -75,13 +75,13 @@ def test_quantize_hi_plus_lo_is_close_to_the_activations():
     assert ((back - x).norm(dim=1) / x.norm(dim=1)).max() < 3e-3
 
 
-@pytest.mark.parametrize("stages,steps,k", [(4, 2, 3584), (3, 1, 3584), (2, 4, 3584), (2, 1, 256)])
-def test_wgmma_w13_compiles_for_hopper(stages, steps, k):
+@pytest.mark.parametrize("stages,steps,rows,k", [(4, 2, 1, 3584), (3, 1, 2, 3584), (2, 4, 3, 3584), (2, 1, 1, 256)])
+def test_wgmma_w13_compiles_for_hopper(stages, steps, rows, k):
     from k3tune.kernels import moe_experts_wg as wg
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
-        assert wg.compiled(stages, steps, k, 4.0, 25.0, "sm_90a") is not None
+        assert wg.compiled(stages, steps, rows, k, 4.0, 25.0, "sm_90a") is not None
 
 
 def test_wgmma_w13_refuses_what_it_cannot_run():
@@ -101,6 +101,8 @@ def test_wgmma_w13_refuses_what_it_cannot_run():
         wg.check(cfg, 3584, 96, "sm_90a")
     with pytest.raises(CannotImplement, match="pairs of stages"):
         wg.check(wg.WgExpertConfig(4, 3), 3584, 384, "sm_90a")  # 56 steps are not pairs of 3-step stages
+    with pytest.raises(CannotImplement, match="pairs of stages"):
+        wg.check(wg.WgExpertConfig(4, 2, 0), 3584, 384, "sm_90a")
     with pytest.raises(CannotImplement, match="shared memory"):
         wg.check(wg.WgExpertConfig(16, 4), 3584, 384, "sm_90a")
     with pytest.raises(ConfigError, match="R and K multiples of 64"):
@@ -108,5 +110,5 @@ def test_wgmma_w13_refuses_what_it_cannot_run():
     packed = wg.pack_w13(torch.zeros(2, 128, 64, dtype=torch.uint8), torch.zeros(2, 128, 4, dtype=torch.uint8))
     groups = Groups.allocate(2, 4, 2, 4, "cpu")
     with pytest.raises(ConfigError, match="work items of 8 tokens"):
-        wg.run_w13(cfg, torch.zeros(4, 2, 128, dtype=torch.uint8), torch.ones(4), packed,
-                   torch.empty(8, 64, dtype=torch.bfloat16), groups, 4.0, 25.0)
+        wg.run_w13(cfg, torch.zeros(4, 128, dtype=torch.bfloat16), packed, torch.empty(8, 64, dtype=torch.bfloat16),
+                   groups, 4.0, 25.0)

@@ -15,16 +15,19 @@ route kernel's ``Groups``, work items of at most 8 slots of one expert (``Groups
   (``bench/wgmma_e4m3_proto.pack``: thread ``tid``'s 4 code words at words 4 tid .., its scale word at 512 + tid, laid
   out for the m64k32 8-bit A fragment). ``stage_steps`` consecutive blobs of the gate tile and of its up tile make one
   stage of a TMA ring of ``stages`` stages, refilled by warp 0 one stage behind the consumers.
-- Activations (``quantize``): per token, x / s with s = amax / 448 as e4m3 hi and e4m3 lo = x / s - hi (torch, a
-  separate step for now), gathered per item into shared memory (cp.async, the 128-byte swizzle of the wgmma B layout
-  computed by hand and checked against it on the CPU).
-- A CTA is one work item and one 64-row tile of gate with its up tile (4 warps: rows 16 w + g, 16 w + g + 8). Per
-  32-K block: 4 wgmmas (gate and up, x hi then lo accumulated into the same temporary), then
-  ``acc += 2^(e - 127) x tmp``; two sets of ``stage_steps`` steps an iteration, so one set's wgmmas overlap the
-  other's decode and scaled adds.
+- Activations: each CTA quantises its item's tokens (bf16 ``latent``) as ``quantize`` does — per token, x / s with
+  s = amax / 448 as e4m3 hi and e4m3 lo = x / s - hi — straight into the wgmma B layout in shared memory (16 threads
+  a token: the row's amax by shuffles, then the scaled values; the 128-byte swizzle of that layout computed by hand
+  and checked against it on the CPU). The token scales go to the epilogue.
+- A CTA is one work item and ``rows`` 64-row tiles of gate, each with its up tile (4 warps: rows 16 w + g and
+  16 w + g + 8 of a tile), one after the other, the ring running on across them. Per 32-K block: 4 wgmmas (gate and
+  up, x hi then lo accumulated into the same temporary), then ``acc += 2^(e - 127) x tmp``; two sets of
+  ``stage_steps`` steps an iteration, so one set's wgmmas overlap the other's decode and scaled adds.
 
-Status: compiles on the CPU for sm_90a (tests/test_kernel_compile.py); refuses other architectures (no wgmma e4m3 with
-A from registers on sm_100a: tcgen05 is Blackwell's path). GPU numerics: tests/test_gpu_moe_wg.py.
+Status: compiles on the CPU for sm_90a (tests/test_moe_wg.py); refuses other architectures (no wgmma e4m3 with A from
+registers on sm_100a: tcgen05 is Blackwell's path). GPU numerics: tests/test_gpu_moe_wg.py (the first version, x
+quantised by torch, passed on the H200 in s34-r5; against the shipped w13 it ran 0.70-0.92x at batch 1-8 and
+1.04-1.09x at TP8 b32/b64, NOTES session 34).
 """
 
 import functools
@@ -44,6 +47,8 @@ E4M3_MAX = 448.0
 class WgExpertConfig:
     stages: int = 4  # TMA ring stages
     stage_steps: int = 2  # 64-K steps a stage (and a set of wgmmas)
+    rows: int = 1  # 64-row tiles (each gate tile with its up tile) a CTA computes one after the other: the item's
+    #                tokens gathered and quantised once for them, the ring running on across them
 
 
 @dataclass(frozen=True)
@@ -63,14 +68,14 @@ def check(cfg: WgExpertConfig, k: int, inter: int, arch: str) -> None:
     steps = k // 64
     if k % 128 or inter % 64:
         raise CannotImplement(f"moe_experts_wg: K = {k} must be a multiple of 128 and I = {inter} of 64")
-    if cfg.stages < 2 or cfg.stage_steps < 1 or steps % (2 * cfg.stage_steps):
+    if cfg.stages < 2 or cfg.stage_steps < 1 or cfg.rows < 1 or steps % (2 * cfg.stage_steps):
         raise CannotImplement(f"moe_experts_wg: {cfg} does not divide K = {k} into pairs of stages")
     if smem_bytes(cfg, k) > 227 * 1024:
         raise CannotImplement(f"moe_experts_wg: {cfg} at K = {k} needs {smem_bytes(cfg, k)} B of shared memory")
 
 
 def smem_bytes(cfg: WgExpertConfig, k: int) -> int:
-    return 2 * TOKENS * k + cfg.stages * 2 * cfg.stage_steps * BLOB * 4 + 1024
+    return 2 * TOKENS * k + cfg.stages * 2 * cfg.stage_steps * BLOB * 4 + 2048
 
 
 def pack_blobs(codes, scales):
@@ -124,44 +129,42 @@ def quantize(x):
     return torch.stack((hi, lo), dim=1).view(torch.uint8), scale
 
 
-def run_w13(cfg: WgExpertConfig, xq, xs, w13: WgPacked, act, groups, beta: float, linear_beta: float,
+def run_w13(cfg: WgExpertConfig, latent, w13: WgPacked, act, groups, beta: float, linear_beta: float,
             stream=None):
-    """act[slot, :I] = situ(x_tok . gate rows, x_tok . up rows) over ``groups``' work items (``groups.per`` = 8);
-    ``xq``/``xs`` from ``quantize``; ``w13`` from ``pack_w13``."""
+    """act[slot, :I] = situ(latent[tok] . gate rows, latent[tok] . up rows) over ``groups``' work items
+    (``groups.per`` = 8); ``latent`` bf16 [T, K], quantised in the kernel as ``quantize`` does; ``w13`` from
+    ``pack_w13``."""
+    from cutlass import Int32
+    from cutlass.cute.runtime import from_dlpack
+
     from k3tune.errors import ConfigError
     from k3tune.kernels.moe_experts import _groups, _stream, _t
 
     if groups.per != TOKENS:
         raise ConfigError(f"moe_experts_wg: work items of {TOKENS} tokens, got groups of {groups.per}")
     check(cfg, w13.k, w13.rows // 2, current_arch())
-    fn = compiled(cfg.stages, cfg.stage_steps, w13.k, float(beta), float(linear_beta), current_arch())
-    from cutlass import Int32
-    from cutlass.cute.runtime import from_dlpack
-
-    top_k = groups.items.shape[0] // xq.shape[0]
-    fn(from_dlpack(xq, assumed_align=16).mark_compact_shape_dynamic(mode=0), _t(xs, 4),
+    fn = compiled(cfg.stages, cfg.stage_steps, cfg.rows, w13.k, float(beta), float(linear_beta), current_arch())
+    top_k = groups.items.shape[0] // latent.shape[0]
+    fn(from_dlpack(latent, assumed_align=16).mark_compact_shape_dynamic(mode=0),
        from_dlpack(w13.data, assumed_align=16).mark_compact_shape_dynamic(mode=0, divisibility=10), _t(act, 2),
        *_groups(groups), Int32(top_k), Int32(w13.rows // 2), _stream(stream))
 
 
 @functools.cache
-def compiled(stages: int, stage_steps: int, k: int, beta: float, linear_beta: float, arch: str):
-    import cutlass
+def compiled(stages: int, stage_steps: int, rows: int, k: int, beta: float, linear_beta: float, arch: str):
     import cutlass.cute as cute
-    from cutlass import BFloat16, Float32, Int32, Uint8
+    from cutlass import BFloat16, Int32
     from cutlass.cute.runtime import make_fake_compact_tensor as fake
     from cutlass.cute.runtime import make_fake_stream
 
     os.environ["CUTE_DSL_ARCH"] = arch
-    t, e1 = cute.sym_int(), cute.sym_int()
-    args = (fake(Uint8, (t, 2, k), stride_order=(2, 1, 0), assumed_align=16),
-            fake(Float32, (t,), assumed_align=4),
+    args = (fake(BFloat16, (cute.sym_int(), k), stride_order=(1, 0), assumed_align=16),
             fake(Int32, (cute.sym_int(divisibility=10), 64), stride_order=(1, 0), assumed_align=16),
             fake(BFloat16, (cute.sym_int(), cute.sym_int()), stride_order=(1, 0), assumed_align=2),
-            fake(Int32, (e1,), assumed_align=4), fake(Int32, (cute.sym_int(),), assumed_align=4),
+            fake(Int32, (cute.sym_int(),), assumed_align=4), fake(Int32, (cute.sym_int(),), assumed_align=4),
             fake(Int32, (cute.sym_int(), cute.sym_int()), stride_order=(1, 0), assumed_align=4),
             Int32(16), Int32(384), make_fake_stream())
-    return cute.compile(_kernel_class()(stages, stage_steps, k, beta, linear_beta), *args,
+    return cute.compile(_kernel_class()(stages, stage_steps, rows, k, beta, linear_beta), *args,
                         options=f"--gpu-arch {arch}")
 
 
@@ -172,7 +175,7 @@ def _kernel_class():
     import cutlass.pipeline as pipeline
     import cutlass.utils.hopper_helpers as sm90_utils
     from cuda.bindings import driver as cuda
-    from cutlass import BFloat16, Float32, Float8E4M3FN, Int32, Uint8, Uint32
+    from cutlass import BFloat16, Float32, Float8E4M3FN, Int32, Uint32
     from cutlass.cute.nvgpu import cpasync, warpgroup
     from cutlass.tensor_utils import LayoutEnum
 
@@ -181,15 +184,14 @@ def _kernel_class():
     T = TOKENS
 
     class WgW13:
-        def __init__(self, stages, stage_steps, k, beta, linear_beta):
-            self.S, self.R, self.k = stages, stage_steps, k
+        def __init__(self, stages, stage_steps, rows, k, beta, linear_beta):
+            self.S, self.R, self.rows, self.k = stages, stage_steps, rows, k
             self.ks, self.xst = k // 64, k // 128
             self.beta, self.lin = beta, linear_beta
 
         @cute.jit
-        def __call__(self, mXq: cute.Tensor, mXs: cute.Tensor, mW: cute.Tensor, mAct: cute.Tensor,
-                     mCnt: cute.Tensor, mItems: cute.Tensor, mSlots: cute.Tensor, top_k: Int32, inter: Int32,
-                     stream: cuda.CUstream):
+        def __call__(self, mX: cute.Tensor, mW: cute.Tensor, mAct: cute.Tensor, mCnt: cute.Tensor,
+                     mItems: cute.Tensor, mSlots: cute.Tensor, top_k: Int32, inter: Int32, stream: cuda.CUstream):
             tiled_mma = sm90_utils.make_trivial_tiled_mma(
                 Float8E4M3FN, Float8E4M3FN, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K, Float32,
                 (1, 1, 1), tiler_mn=(64, T), a_source=warpgroup.OperandSource.RMEM)
@@ -200,20 +202,22 @@ def _kernel_class():
             @cute.struct
             class Storage:
                 wbars: cute.struct.MemRange[cutlass.Int64, self.S * 2]
+                xscale: cute.struct.MemRange[Float32, T]
                 sXh: cute.struct.Align[cute.struct.MemRange[Float8E4M3FN, cute.cosize(x_staged)], 1024]
                 sXl: cute.struct.Align[cute.struct.MemRange[Float8E4M3FN, cute.cosize(x_staged)], 1024]
                 sW: cute.struct.Align[cute.struct.MemRange[Int32, 2 * BLOB * self.R * self.S], 128]
 
             self.storage = Storage
-            self.kernel(mXq, mXs, tma_w, tW, mAct, mCnt, mItems, mSlots, top_k, inter, tiled_mma, x_staged).launch(
-                grid=(mItems.shape[0], inter // 64, 1), block=[128, 1, 1], stream=stream)
+            groups_y = (inter // 64 + self.rows - 1) // self.rows
+            self.kernel(mX, tma_w, tW, mAct, mCnt, mItems, mSlots, top_k, inter, tiled_mma, x_staged).launch(
+                grid=(mItems.shape[0], groups_y, 1), block=[128, 1, 1], stream=stream)
 
         @cute.kernel
-        def kernel(self, mXq: cute.Tensor, mXs: cute.Tensor, tma_w: cute.CopyAtom, mW: cute.Tensor,
-                   mAct: cute.Tensor, mCnt: cute.Tensor, mItems: cute.Tensor, mSlots: cute.Tensor, top_k: Int32,
-                   inter: Int32, tiled_mma: cute.TiledMma, x_staged: cute.ComposedLayout):
-            S, R, KS, XS = self.S, self.R, self.ks, self.xst
-            NST = KS // R  # ring stages an item's row tile runs through
+        def kernel(self, mX: cute.Tensor, tma_w: cute.CopyAtom, mW: cute.Tensor, mAct: cute.Tensor,
+                   mCnt: cute.Tensor, mItems: cute.Tensor, mSlots: cute.Tensor, top_k: Int32, inter: Int32,
+                   tiled_mma: cute.TiledMma, x_staged: cute.ComposedLayout):
+            S, R, KS = self.S, self.R, self.ks
+            NST = KS // R  # ring stages a row tile runs through
             tidx, _, _ = cute.arch.thread_idx()
             bidx, bidy, _ = cute.arch.block_idx()
             warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -224,9 +228,13 @@ def _kernel_class():
                 ex = code >> ITEM_SHIFT
                 t0 = code & ((1 << ITEM_SHIFT) - 1)
                 ntok = mCnt[ex] - t0
+                tiles_h = inter // 64  # gate tiles an expert (as many up tiles follow them)
+                rt0 = bidy * self.rows
+                ntiles = cutlass.min(self.rows, tiles_h - rt0)  # this CTA's row tiles, one after the other
+                total = ntiles * NST  # ring stages of this CTA
                 if warp == 0:
                     cpasync.prefetch_descriptor(tma_w)
-                smem = cutlass.utils.SmemAllocator()
+                smem = cutlass.memory.SmemAllocator()
                 st = smem.allocate(self.storage)
                 wpipe = pipeline.PipelineTmaAsync.create(
                     barrier_storage=st.wbars.data_ptr(), num_stages=S,
@@ -240,41 +248,14 @@ def _kernel_class():
                 gW = cute.local_tile(mW, (10 * R, 64), (None, 0))
                 tWs, tWg = cpasync.tma_partition(tma_w, 0, cute.make_layout(1), cute.group_modes(sWt, 0, 2),
                                                  cute.group_modes(gW, 0, 2))
-                tiles = 2 * inter // 64  # row tiles an expert: gate tiles, then up tiles
-                first_g = (ex * tiles + bidy) * NST
-                first_u = (ex * tiles + inter // 64 + bidy) * NST
+                wbase = ex * 2 * tiles_h * NST  # the expert's first blob stage
 
                 if warp == 0:  # the ring's first S - 1 stages
-                    for j in cutlass.range_constexpr(min(S - 1, KS // R)):
-                        ps = pipeline.PipelineState(S, j, j, 1)
-                        wpipe.producer_acquire(ps)
-                        cute.copy(tma_w, tWg[(None, first_g + j)], tWs[(None, 0, j)],
-                                  tma_bar_ptr=wpipe.producer_get_barrier(ps))
-                        cute.copy(tma_w, tWg[(None, first_u + j)], tWs[(None, 1, j)],
-                                  tma_bar_ptr=wpipe.producer_get_barrier(ps))
+                    for j in cutlass.range_constexpr(S - 1):
+                        if j < total:
+                            self._load(tma_w, tWg, tWs, wpipe, j, wbase, rt0, tiles_h)
 
-                # the item's tokens, hi and lo, into the wgmma B layout (128-byte swizzle: 16-byte unit u of row j
-                # of a 128-K stage at u ^ (j % 8)); 16 threads a token row, rows past the item repeat its last
-                j = tidx // 16
-                slot = mSlots[ex, cutlass.min(t0 + cutlass.min(j, ntok - 1), width - 1)]
-                tok = slot // top_k
-                g2s = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), Uint8,
-                                          num_bits_per_copy=128)
-                sbase = [st.sXh.data_ptr(), st.sXl.data_ptr()]
-                for xh in cutlass.range_constexpr(2):
-                    xrow = mXq[tok, xh, None]
-                    for xi in cutlass.range_constexpr((self.k // 16 + 15) // 16):
-                        xc = tidx % 16 + 16 * xi  # the 16-byte unit of the row
-                        if cutlass.const_expr((xi + 1) * 256 <= self.k) or xc < self.k // 16:
-                            off = (xc // 8) * (T * 128) + j * 128 + (((xc % 8) ^ (j % 8)) * 16)
-                            src = cute.make_tensor((xrow.iterator + xc * 16).align(16), cute.make_layout(16))
-                            dst = cute.make_tensor(cute.recast_ptr(sbase[xh] + off, dtype=Uint8).align(16),
-                                                   cute.make_layout(16))
-                            cute.copy(g2s, src, dst)
-                cute.arch.cp_async_commit_group()
-                cute.arch.cp_async_wait_group(0)
-                cute.arch.fence_proxy("async.shared", space="cta")  # generic-proxy writes, read by wgmma
-                cute.arch.sync_threads()
+                self._gather(mX, mSlots, st, ex, t0, ntok, width, top_k, tidx)
 
                 sXh = st.sXh.get_tensor(x_staged.outer, swizzle=x_staged.inner)
                 sXl = st.sXl.get_tensor(x_staged.outer, swizzle=x_staged.inner)
@@ -285,8 +266,6 @@ def _kernel_class():
                 tCcC = thr_mma.partition_C(cute.make_identity_tensor((64, T)))
                 nacc = cute.size(tCcC.shape)
                 acc = [cute.make_rmem_tensor(tCcC.shape, Float32) for _ in range(2)]  # gate, up
-                acc[0].fill(0.0)
-                acc[1].fill(0.0)
                 # per set, step r, block b and gate/up m: the A registers and the temporary of one wgmma pair
                 a_regs = [[[[cute.make_rmem_tensor(tCcA.shape, Float8E4M3FN) for m in range(2)] for b in range(2)]
                            for r in range(R)] for _ in range(2)]
@@ -297,72 +276,124 @@ def _kernel_class():
                 fbits = cute.recast_tensor(bits, Float32)
                 cw = cute.make_rmem_tensor(cute.make_layout((4, R, 2)), Int32)  # a stage's code words
                 cwu = cute.recast_tensor(cw, Uint32)
+                xscale = st.xscale.get_tensor(cute.make_layout(T))
 
-                for it in cutlass.range(0, NST, 2, unroll=1):  # two ring stages (sets) an iteration
-                    for half in cutlass.range_constexpr(2):
-                        stg = it + half
-                        if warp == 0:  # refill the slot stage stg - 1 freed with stage stg + S - 1
-                            nxt = stg + S - 1
-                            if nxt < NST:
-                                ps = pipeline.PipelineState(S, nxt, nxt % S, (nxt // S + 1) % 2)
-                                wpipe.producer_acquire(ps)
-                                cute.copy(tma_w, tWg[(None, first_g + nxt)], tWs[(None, 0, nxt % S)],
-                                          tma_bar_ptr=wpipe.producer_get_barrier(ps))
-                                cute.copy(tma_w, tWg[(None, first_u + nxt)], tWs[(None, 1, nxt % S)],
-                                          tma_bar_ptr=wpipe.producer_get_barrier(ps))
-                        cs = pipeline.PipelineState(S, stg, stg % S, (stg // S) % 2)
-                        wpipe.consumer_wait(cs)
-                        for m in cutlass.range_constexpr(2):
-                            for r in cutlass.range_constexpr(R):
-                                cute.autovec_copy(sQ[None, r * (BLOB // 4) + tidx, m, stg % S], cw[None, r, m])
-                                scw[half, r, m] = Uint32(sQ[tidx % 4, r * (BLOB // 4) + 128 + tidx // 4, m, stg % S])
-                        wpipe.consumer_release(cs)
-                        for r in cutlass.range_constexpr(R):
-                            for b in cutlass.range_constexpr(2):
-                                for m in cutlass.range_constexpr(2):
-                                    aw = cute.recast_tensor(a_regs[half][r][b][m], Uint32)
-                                    for h in cutlass.range_constexpr(2):
-                                        w = cwu[2 * b + h, r, m]
-                                        aw[2 * h] = w & Uint32(LO_MASK)
-                                        aw[2 * h + 1] = (((w << Uint32(2)) & Uint32(HI_SHL)) |
-                                                         ((w >> Uint32(2)) & Uint32(HI_SHR)))
-                        warpgroup.fence()
-                        for r in cutlass.range_constexpr(R):
-                            step = stg * R + r
-                            for b in cutlass.range_constexpr(2):
-                                kb = ((half * R + r) % 2) * 2 + b  # the 32-K block within the 128-K x stage
-                                for m in cutlass.range_constexpr(2):
-                                    a = a_regs[half][r][b][m][None, None, 0]
-                                    tmp = tmps[half][r][b][m]
-                                    tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
-                                    cute.gemm(tiled_mma, tmp, a, tBh[None, None, kb, step // 2], tmp)
-                                    tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-                                    cute.gemm(tiled_mma, tmp, a, tBl[None, None, kb, step // 2], tmp)
-                        warpgroup.commit_group()
-                    for half in cutlass.range_constexpr(2):
-                        warpgroup.wait_group(1 - half)  # set 0 done while set 1 runs; then set 1
-                        for r in cutlass.range_constexpr(R):
+                for q in cutlass.range(ntiles, unroll=1):
+                    acc[0].fill(0.0)
+                    acc[1].fill(0.0)
+                    for it in cutlass.range(0, NST, 2, unroll=1):  # two ring stages (sets) an iteration
+                        for half in cutlass.range_constexpr(2):
+                            gs = q * NST + it + half
+                            if warp == 0:  # refill the slot stage gs - 1 freed with stage gs + S - 1
+                                if gs + S - 1 < total:
+                                    self._load(tma_w, tWg, tWs, wpipe, gs + S - 1, wbase, rt0, tiles_h)
+                            cs = pipeline.PipelineState(S, gs, gs % S, (gs // S) % 2)
+                            wpipe.consumer_wait(cs)
                             for m in cutlass.range_constexpr(2):
-                                sc = scw[half, r, m]
+                                for r in cutlass.range_constexpr(R):
+                                    cute.autovec_copy(sQ[None, r * (BLOB // 4) + tidx, m, gs % S], cw[None, r, m])
+                                    scw[half, r, m] = Uint32(
+                                        sQ[tidx % 4, r * (BLOB // 4) + 128 + tidx // 4, m, gs % S])
+                            wpipe.consumer_release(cs)
+                            for r in cutlass.range_constexpr(R):
                                 for b in cutlass.range_constexpr(2):
-                                    for row in cutlass.range_constexpr(2):
-                                        jb = 2 * b + row  # e8m0 byte jb as an fp32 exponent field: 2^(e - 127)
-                                        if cutlass.const_expr(jb == 3):
-                                            bits[row] = (sc >> Uint32(1)) & Uint32(0x7F800000)
-                                        else:
-                                            bits[row] = (sc << Uint32(23 - 8 * jb)) & Uint32(0x7F800000)
-                                    tmp = tmps[half][r][b][m]
-                                    for i in cutlass.range_constexpr(nacc):
-                                        acc[m][i] = acc[m][i] + fbits[(i // 2) % 2] * tmp[i]
+                                    for m in cutlass.range_constexpr(2):
+                                        aw = cute.recast_tensor(a_regs[half][r][b][m], Uint32)
+                                        for h in cutlass.range_constexpr(2):
+                                            w = cwu[2 * b + h, r, m]
+                                            aw[2 * h] = w & Uint32(LO_MASK)
+                                            aw[2 * h + 1] = (((w << Uint32(2)) & Uint32(HI_SHL)) |
+                                                             ((w >> Uint32(2)) & Uint32(HI_SHR)))
+                            warpgroup.fence()
+                            for r in cutlass.range_constexpr(R):
+                                step = (it + half) * R + r  # the 64-K step within the row tile
+                                for b in cutlass.range_constexpr(2):
+                                    kb = ((half * R + r) % 2) * 2 + b  # the 32-K block within the 128-K x stage
+                                    for m in cutlass.range_constexpr(2):
+                                        a = a_regs[half][r][b][m][None, None, 0]
+                                        tmp = tmps[half][r][b][m]
+                                        tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
+                                        cute.gemm(tiled_mma, tmp, a, tBh[None, None, kb, step // 2], tmp)
+                                        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+                                        cute.gemm(tiled_mma, tmp, a, tBl[None, None, kb, step // 2], tmp)
+                            warpgroup.commit_group()
+                        for half in cutlass.range_constexpr(2):
+                            warpgroup.wait_group(1 - half)  # set 0 done while set 1 runs; then set 1
+                            for r in cutlass.range_constexpr(R):
+                                for m in cutlass.range_constexpr(2):
+                                    sc = scw[half, r, m]
+                                    for b in cutlass.range_constexpr(2):
+                                        for row in cutlass.range_constexpr(2):
+                                            jb = 2 * b + row  # e8m0 byte jb as an fp32 exponent field
+                                            if cutlass.const_expr(jb == 3):
+                                                bits[row] = (sc >> Uint32(1)) & Uint32(0x7F800000)
+                                            else:
+                                                bits[row] = (sc << Uint32(23 - 8 * jb)) & Uint32(0x7F800000)
+                                        tmp = tmps[half][r][b][m]
+                                        for i in cutlass.range_constexpr(nacc):
+                                            acc[m][i] = acc[m][i] + fbits[(i // 2) % 2] * tmp[i]
 
-                for i in cutlass.range_constexpr(nacc):  # (row, token) of accumulator i
-                    rc = tCcC[i]
-                    if rc[1] < ntok:
-                        sl = mSlots[ex, t0 + rc[1]]
-                        s = mXs[sl // top_k] * Float32(64.0)  # the token's scale and the decode's 2^-6
-                        gate = acc[0][i] * s
-                        up = cutlass.max(cutlass.min(acc[1][i] * s, Float32(self.lin)), Float32(-self.lin))
-                        sig = Float32(1.0) / (Float32(1.0) + cute.math.exp(-Float32(self.beta) * gate))
-                        mAct[sl, bidy * 64 + rc[0]] = (gate * sig * up).to(BFloat16)
+                    for i in cutlass.range_constexpr(nacc):  # (row, token) of accumulator i
+                        rc = tCcC[i]
+                        if rc[1] < ntok:
+                            sl = mSlots[ex, t0 + rc[1]]
+                            s = xscale[rc[1]] * Float32(64.0)  # the token's scale and the decode's 2^-6
+                            gate = acc[0][i] * s
+                            up = cutlass.max(cutlass.min(acc[1][i] * s, Float32(self.lin)), Float32(-self.lin))
+                            sig = Float32(1.0) / (Float32(1.0) + cute.math.exp(-Float32(self.beta) * gate))
+                            mAct[sl, (rt0 + q) * 64 + rc[0]] = (gate * sig * up).to(BFloat16)
+
+        @cute.jit
+        def _load(self, tma_w, tWg, tWs, wpipe, gs, wbase, rt0, tiles_h):
+            """Ring stage ``gs`` of this CTA (row tile rt0 + gs // NST, its stage gs % NST): the gate blobs, then the
+            up blobs, on one barrier."""
+            S, NST = self.S, self.ks // self.R
+            ps = pipeline.PipelineState(S, gs, gs % S, (gs // S + 1) % 2)
+            wpipe.producer_acquire(ps)
+            at = wbase + (rt0 + gs // NST) * NST + gs % NST
+            cute.copy(tma_w, tWg[(None, at)], tWs[(None, 0, gs % S)], tma_bar_ptr=wpipe.producer_get_barrier(ps))
+            cute.copy(tma_w, tWg[(None, at + tiles_h * NST)], tWs[(None, 1, gs % S)],
+                      tma_bar_ptr=wpipe.producer_get_barrier(ps))
+
+        @cute.jit
+        def _gather(self, mX, mSlots, st, ex, t0, ntok, width, top_k, tidx):
+            """The item's tokens into the wgmma B layout as e4m3 hi and lo (``quantize``): 16 threads a token row
+            (rows past the item repeat its last token), 16 K a unit; the 128-byte swizzle: unit u of row j of a 128-K
+            stage at 16 (u ^ (j % 8)). Two passes over the row (L1/L2): its amax, then the scaled values."""
+            j = tidx // 16
+            slot = mSlots[ex, cutlass.min(t0 + cutlass.min(j, ntok - 1), width - 1)]
+            xrow = mX[slot // top_k, None]
+            units = self.k // 16
+            per = (units + 15) // 16
+            v = cute.make_rmem_tensor((16,), BFloat16)
+            amax = Float32(0.0)
+            for xi in cutlass.range(per, unroll=2):  # dynamic loops: the second pass reloads, holding no registers
+                u = tidx % 16 + 16 * xi
+                if u < units:
+                    cute.autovec_copy(cute.make_tensor((xrow.iterator + u * 16).align(16), cute.make_layout(16)), v)
+                    for e in cutlass.range_constexpr(16):
+                        f = v[e].to(Float32)
+                        amax = cutlass.max(amax, cutlass.max(f, -f))
+            for sh in (8, 4, 2, 1):  # the 16 threads of the row: lanes 0-15 or 16-31 of a warp
+                amax = cutlass.max(amax, cute.arch.shuffle_sync_bfly(amax, offset=sh))
+            amax = cutlass.max(amax, Float32(2.0 ** -100))
+            inv = Float32(E4M3_MAX) / amax
+            if tidx % 16 == 0:
+                st.xscale.get_tensor(cute.make_layout(T))[j] = amax / Float32(E4M3_MAX)
+            hi = cute.make_rmem_tensor((16,), Float8E4M3FN)
+            lo = cute.make_rmem_tensor((16,), Float8E4M3FN)
+            for xi in cutlass.range(per, unroll=2):
+                u = tidx % 16 + 16 * xi
+                if u < units:
+                    cute.autovec_copy(cute.make_tensor((xrow.iterator + u * 16).align(16), cute.make_layout(16)), v)
+                    a = v.load().to(Float32) * inv
+                    h8 = a.to(Float8E4M3FN)
+                    hi.store(h8)
+                    lo.store((a - h8.to(Float32)).to(Float8E4M3FN))
+                    off = (u // 8) * (T * 128) + j * 128 + (((u % 8) ^ (j % 8)) * 16)
+                    cute.autovec_copy(hi, cute.make_tensor((st.sXh.data_ptr() + off).align(16), cute.make_layout(16)))
+                    cute.autovec_copy(lo, cute.make_tensor((st.sXl.data_ptr() + off).align(16), cute.make_layout(16)))
+            cute.arch.fence_proxy("async.shared", space="cta")  # generic-proxy writes, read by the wgmmas
+            cute.arch.sync_threads()
 
     return WgW13
