@@ -6,7 +6,7 @@
                               [--routings uniform,zipf:1.2] [--wg 4/2/1,4/2/2] [--layers 4] [--out x.json]
 
 Each variant's graph runs, per layer (``--layers`` layers of distinct weights, read from HBM): the groups reset, the
-route kernel (imposed ids) and w13 (``wg_S/R/rows``: the wgmma kernel quantises the activations itself). Median and
+route kernel (imposed ids) and w13 (``wg_S/R/rows``: the activations' quantisation kernel, then the wgmma kernel). Median and
 IQR per layer; the roofline floor is the w13 bytes (codes + scales) of the distinct experts selected over the measured copy
 bandwidth. Runs from bench/. Prints a table; JSON to --out.
 """
@@ -85,11 +85,13 @@ def main() -> None:
                 variants += [(f"wg_{c.stages}/{c.stage_steps}/{c.rows}", c, moe_experts_wg.TOKENS) for c in wgs]
                 for name, c, per in variants:
                     bufs = [dict(groups=Groups.allocate(sh.experts, batch, sh.top_k, per, "cuda"), top=top.clone(),
+                                 xq=torch.empty(batch, 2, k, dtype=torch.uint8, device="cuda"),
+                                 xs=torch.empty(batch, device="cuda"),
                                  wts=torch.empty(batch, sh.top_k, device="cuda"),
                                  act=torch.empty(batch * sh.top_k, inter, dtype=torch.bfloat16, device="cuda"))
                             for _ in layers]
 
-                    def run(_, name=name, c=c, bufs=bufs):
+                    def run(_, name=name, c=c, bufs=bufs, layers=layers):
                         for lay, b in zip(layers, bufs):
                             b["groups"].counts.zero_()
                             moe_experts.route(y, _bias(sh.experts),
@@ -98,7 +100,9 @@ def main() -> None:
                                 moe_experts_tc.run_w13(c, x, lay["dq" if c.dq else "codes"], b["act"], b["wts"],
                                                        b["groups"], 4.0, 25.0, scales=lay["scales"])
                             else:
-                                moe_experts_wg.run_w13(c, x, lay["wg"], b["act"], b["groups"], 4.0, 25.0)
+                                moe_experts_wg.quantize_into(x, b["xq"], b["xs"])
+                                moe_experts_wg.run_w13(c, b["xq"], b["xs"], lay["wg"], b["act"], b["groups"], 4.0,
+                                                       25.0)
                     try:
                         t = time_graph(run, [{}], args.samples)
                     except Exception as e:  # a variant that cannot run is reported, not fatal

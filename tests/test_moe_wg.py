@@ -82,6 +82,7 @@ def test_wgmma_w13_compiles_for_hopper(stages, steps, rows, k):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         assert wg.compiled(stages, steps, rows, k, 4.0, 25.0, "sm_90a") is not None
+        assert wg.compiled_quantize(k, "sm_90a") is not None
 
 
 def test_wgmma_w13_refuses_what_it_cannot_run():
@@ -110,5 +111,7 @@ def test_wgmma_w13_refuses_what_it_cannot_run():
     packed = wg.pack_w13(torch.zeros(2, 128, 64, dtype=torch.uint8), torch.zeros(2, 128, 4, dtype=torch.uint8))
     groups = Groups.allocate(2, 4, 2, 4, "cpu")
     with pytest.raises(ConfigError, match="work items of 8 tokens"):
-        wg.run_w13(cfg, torch.zeros(4, 128, dtype=torch.bfloat16), packed, torch.empty(8, 64, dtype=torch.bfloat16),
-                   groups, 4.0, 25.0)
+        wg.run_w13(cfg, torch.zeros(4, 2, 128, dtype=torch.uint8), torch.ones(4), packed,
+                   torch.empty(8, 64, dtype=torch.bfloat16), groups, 4.0, 25.0)
+    with pytest.raises(CannotImplement, match="multiple of 16"):
+        wg.compiled_quantize(120, "sm_90a")
