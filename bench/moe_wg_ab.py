@@ -6,10 +6,9 @@
                               [--routings uniform,zipf:1.2] [--wg 4/2/1,4/2/2] [--layers 4] [--out x.json]
 
 Each variant's graph runs, per layer (``--layers`` layers of distinct weights, read from HBM): the groups reset, the
-route kernel (imposed ids) and w13 (``wg_S/R/rows``: the activations' quantisation kernel, then the wgmma kernel). Median and
-IQR per layer; the roofline floor is the w13 bytes (codes + scales) of the distinct experts selected over the measured copy
-bandwidth. Runs from bench/. Prints a table; JSON to --out.
-"""
+route kernel (imposed ids) and w13 (``wg_S/R/rows``: the activations' quantisation kernel, then the wgmma kernel).
+Median and IQR per layer; the roofline floor is the w13 bytes (codes + scales) of the distinct experts selected over
+the measured copy bandwidth. Runs from bench/. Prints a table; JSON to --out."""
 
 from __future__ import annotations
 

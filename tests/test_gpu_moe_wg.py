@@ -1,7 +1,8 @@
-"""The staged wgmma e4m3 w13 (k3tune/kernels/moe_experts_wg.py) against torch in fp32 on the MXFP4 format's
-dequantised weights and the bf16 activations (quantised to e4m3 hi + lo by ``quantize_into``; that rounding must
-stay inside the tolerance, as the block's bf16 path does), outputs poisoned, groups built by the route kernel over skewed routing (items of 1-8 tokens), odd
-sizes: K = 256 (4 steps), I = 64 (one row tile), 5 tokens. Run on the device: pytest -m gpu tests/test_gpu_moe_wg.py"""
+"""The staged wgmma e4m3 w13 (k3tune/kernels/moe_experts_wg.py) against torch in fp32 on the MXFP4 format's dequantised
+weights and the bf16 activations (quantised to e4m3 hi + lo by ``quantize_into``; that rounding must stay inside the
+tolerance, as the block's bf16 path does), outputs poisoned, groups built by the route kernel over skewed routing
+(items of 1-8 tokens), odd sizes: K = 256 (4 steps), I = 64 (one row tile), 5 tokens. Run on the device: pytest -m
+gpu tests/test_gpu_moe_wg.py"""
 
 import pytest
 
