@@ -31,34 +31,15 @@ import os
 import statistics
 import sys
 
-BLOB = 640  # 32-bit words per (64-row tile, 64-K step): 512 code words + 128 scale words
-LO_MASK, HI_SHL, HI_SHR = 0x9C9C9C9C, 0x8C8C8C8C, 0x10101010
-LO_BITS, HI_BITS = (2, 3, 4, 7), (0, 1, 6, 5)  # byte bit of nibble bit m, e0, e1, s: row g's code, row g + 8's
+from k3tune.kernels.moe_experts_wg import BLOB, HI_SHL, HI_SHR, LO_MASK  # the layout, shared with the grouped kernel
 
 
 def pack(codes, scales):
-    """K3's MXFP4 (codes uint8 [N, K/2], even K in the low nibble; scales uint8 [N, K/32]), N % 64 == K % 64 == 0
-    -> int32 [N/64 * K/64 * 10, 64]: the blobs, tile-major then step."""
-    import torch
+    """K3's MXFP4 (codes uint8 [N, K/2], scales uint8 [N, K/32]) -> the blobs, int32 [N/64 x K/64 x 10, 64] (the
+    layout ``k3tune.kernels.moe_experts_wg`` took from this prototype)."""
+    from k3tune.kernels.moe_experts_wg import pack_blobs
 
-    n, k = codes.shape[0], codes.shape[1] * 2
-    assert n % 64 == 0 and k % 64 == 0, (n, k)
-    nib = torch.stack((codes & 15, codes >> 4), dim=-1).reshape(n, k).to(torch.int64)
-    # rows n = 64 c + 16 w + 8 r + g; K = 64 s + 32 b + 16 h + 4 t + i
-    nib = nib.reshape(n // 64, 4, 2, 8, k // 64, 2, 2, 4, 4)
-    nib = nib.permute(0, 1, 3, 4, 5, 6, 7, 2, 8)  # [c, w, g, s, b, h, t, r, i]
-    words = 0
-    for q in range(4):  # nibble bit q of each code to its byte bit
-        pos = torch.tensor([[8 * i + (LO_BITS if r == 0 else HI_BITS)[q] for i in range(4)] for r in range(2)],
-                           device=codes.device)  # [r, i]
-        words = words + (((nib >> q) & 1) << pos).sum(dim=(-2, -1))  # [c, w, g, s, b, h, t]
-    words = words.permute(0, 3, 1, 2, 6, 4, 5).reshape(n // 64, k // 64, 128, 4)  # [c, s, tid, 2 b + h]
-    sc = scales.reshape(n // 64, 4, 2, 8, k // 64, 2).to(torch.int64)  # [c, w, r, g, s, b]
-    sc = sc.permute(0, 4, 1, 3, 5, 2)[:, :, :, :, None].expand(-1, -1, -1, -1, 4, -1, -1)  # [c, s, w, g, t, b, r]
-    sw = (sc.reshape(n // 64, k // 64, 128, 4) << (8 * torch.arange(4, device=codes.device))).sum(-1)
-    blob = torch.cat((words.reshape(n // 64, k // 64, 512), sw), dim=-1)  # [c, s, 640] in [0, 2^32)
-    blob = torch.where(blob >= 1 << 31, blob - (1 << 32), blob).to(torch.int32)
-    return blob.reshape(-1, 64)
+    return pack_blobs(codes, scales)
 
 
 def kernel_class():

@@ -113,5 +113,11 @@ def test_wgmma_w13_refuses_what_it_cannot_run():
     with pytest.raises(ConfigError, match="work items of 8 tokens"):
         wg.run_w13(cfg, torch.zeros(4, 2, 128, dtype=torch.uint8), torch.ones(4), packed,
                    torch.empty(8, 64, dtype=torch.bfloat16), groups, 4.0, 25.0)
+    groups8 = Groups.allocate(2, 4, 2, 8, "cpu")
+    with pytest.raises(ConfigError, match=r"act must be a contiguous bfloat16 \(8, 64\), got bfloat16 \(8, 32\)"):
+        wg.run_w13(cfg, torch.zeros(4, 2, 128, dtype=torch.uint8), torch.ones(4), packed,
+                   torch.empty(8, 32, dtype=torch.bfloat16), groups8, 4.0, 25.0)
+    with pytest.raises(ConfigError, match="xq must be a contiguous uint8"):
+        wg.quantize_into(torch.zeros(4, 128, dtype=torch.bfloat16), torch.zeros(4, 2, 128), torch.ones(4))
     with pytest.raises(CannotImplement, match="multiple of 16"):
         wg.compiled_quantize(120, "sm_90a")

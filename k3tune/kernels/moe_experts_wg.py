@@ -25,9 +25,10 @@ route kernel's ``Groups``, work items of at most 8 slots of one expert (``Groups
   ``stage_steps`` steps an iteration, so one set's wgmmas overlap the other's decode and scaled adds.
 
 Status: compiles on the CPU for sm_90a (tests/test_moe_wg.py); refuses other architectures (no wgmma e4m3 with A from
-registers on sm_100a: tcgen05 is Blackwell's path). GPU numerics: tests/test_gpu_moe_wg.py (the first version, x
-quantised by torch, passed on the H200 in s34-r5; against the shipped w13 it ran 0.70-0.92x at batch 1-8 and
-1.04-1.09x at TP8 b32/b64, NOTES session 34).
+registers on sm_100a: tcgen05 is Blackwell's path). GPU numerics pass on the H200 (tests/test_gpu_moe_wg.py, s34-r7).
+Speed against the shipped w13 (bench/moe_wg_ab.py, s34-r7, quantize kernel included): 0.94x in geometric mean over
+TP8/TP16 b1-64, uniform and Zipf; 1.06-1.10x at TP8 b32/b64 and TP16 b16 uniform, 0.65-0.77x at b1 (few CTAs: 6 an
+expert at TP8). Not wired into the block: see NOTES session 34 for what would make it pay.
 """
 
 import functools
@@ -132,10 +133,13 @@ def quantize(x):
 def quantize_into(latent, xq, xs, stream=None):
     """``quantize`` as a kernel, into the caller's buffers: ``latent`` bf16 [T, K] -> ``xq`` uint8 [T, 2, K] (e4m3 hi,
     lo), ``xs`` fp32 [T]."""
-    from k3tune.kernels.moe_experts import _stream, _t
-
     from cutlass.cute.runtime import from_dlpack
 
+    from k3tune.kernels.moe_experts import _stream, _t
+
+    _expect(latent, "latent", (latent.shape[0], latent.shape[1]), "bfloat16")
+    _expect(xq, "xq", (latent.shape[0], 2, latent.shape[1]), "uint8")
+    _expect(xs, "xs", (latent.shape[0],), "float32")
     fn = compiled_quantize(latent.shape[1], current_arch())
     fn(from_dlpack(latent, assumed_align=16).mark_compact_shape_dynamic(mode=0), _xq(xq), _t(xs, 4), _stream(stream))
 
@@ -152,11 +156,24 @@ def run_w13(cfg: WgExpertConfig, xq, xs, w13: WgPacked, act, groups, beta: float
 
     if groups.per != TOKENS:
         raise ConfigError(f"moe_experts_wg: work items of {TOKENS} tokens, got groups of {groups.per}")
-    check(cfg, w13.k, w13.rows // 2, current_arch())
+    t, inter = xq.shape[0], w13.rows // 2
+    _expect(xq, "xq", (t, 2, w13.k), "uint8")
+    _expect(xs, "xs", (t,), "float32")
+    _expect(act, "act", (groups.items.shape[0], inter), "bfloat16")
+    check(cfg, w13.k, inter, current_arch())
     fn = compiled(cfg.stages, cfg.stage_steps, cfg.rows, w13.k, float(beta), float(linear_beta), current_arch())
     top_k = groups.items.shape[0] // xq.shape[0]
     fn(_xq(xq), _t(xs, 4), from_dlpack(w13.data, assumed_align=16).mark_compact_shape_dynamic(mode=0, divisibility=10),
        _t(act, 2), *_groups(groups), Int32(top_k), Int32(w13.rows // 2), _stream(stream))
+
+
+def _expect(x, name: str, shape: tuple, dtype: str) -> None:
+    """A contiguous tensor of this shape and dtype, or a one-line ConfigError (never a misread)."""
+    from k3tune.errors import ConfigError
+
+    if tuple(x.shape) != tuple(shape) or str(x.dtype) != f"torch.{dtype}" or not x.is_contiguous():
+        raise ConfigError(f"moe_experts_wg: {name} must be a contiguous {dtype} {tuple(shape)}, got "
+                          f"{str(x.dtype).removeprefix('torch.')} {tuple(x.shape)}")
 
 
 def _xq(xq):
