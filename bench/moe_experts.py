@@ -97,15 +97,8 @@ def main() -> None:
                         step = _step(layers, fmt, v, y, x, top, norm, sh, batch)
                         profile_once(lambda: step(None), name)
                         continue
-                    try:
-                        t = time_graph(_step(layers, fmt, v, y, x, top, norm, sh, batch), [{}], args.samples)
-                    except Exception as e:  # a variant that cannot run is reported, not fatal
-                        row[name] = {"failed": f"{type(e).__name__}: {str(e)[:200]}"}
-                        print(f"  {name}: FAILED {row[name]['failed']}", flush=True)
-                        continue
-                    t = [v / len(layers) for v in t]
-                    q = statistics.quantiles(t, n=4)
-                    row[name] = {"us": statistics.median(t), "iqr": q[2] - q[0], "roof": floors[fmt] / statistics.median(t)}
+                    row[name] = timed(name, lambda layers=layers: _step(layers, fmt, v, y, x, top, norm, sh, batch),
+                                      len(layers), args.samples, floors[fmt])
                 print(f"tp{tp:<3} batch {batch:<3} {routing:9} experts {touched:4} | " +
                       " ".join(f"{k} {v['us']:6.1f} ({v['roof']:.2f})" for k, v in row.items()
                                if isinstance(v, dict) and "us" in v), flush=True)
@@ -114,6 +107,19 @@ def main() -> None:
         torch.cuda.empty_cache()
     Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "copy_bw": bw, "rows": rows},
                                          indent=1))
+
+
+def timed(name: str, make_step, layers: int, samples: int, floor_us: float) -> dict:
+    """One variant's graph (``make_step()``'s step over ``layers`` layers) timed: median and IQR per layer and the
+    fraction of ``floor_us``; a variant that cannot be built or run is reported, not fatal."""
+    try:
+        t = time_graph(make_step(), [{}], samples)
+    except Exception as e:
+        print(f"  {name}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
+        return {"failed": f"{type(e).__name__}: {str(e)[:200]}"}
+    t = [v / layers for v in t]
+    q = statistics.quantiles(t, n=4)
+    return {"us": statistics.median(t), "iqr": q[2] - q[0], "roof": floor_us / statistics.median(t)}
 
 
 def _parse_tc(text: str) -> tuple:

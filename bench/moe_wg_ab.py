@@ -16,11 +16,11 @@ import argparse
 import json
 import random
 import sqlite3
-import statistics
 from pathlib import Path
 
 import torch
 from gemm import copy_bandwidth  # bench/gemm.py
+from moe_experts import _bias, timed  # bench/moe_experts.py
 
 from k3tune.kernels import moe_experts, moe_experts_tc, moe_experts_wg, mxfp4
 from k3tune.kernels.moe_block import MoeOverlap, MoeOverlapConfig
@@ -28,7 +28,7 @@ from k3tune.kernels.moe_experts import Groups
 from k3tune.kernels.moe_experts_wg import WgExpertConfig
 from k3tune.plan import routing as routings
 from k3tune.runtime.moe import BlockShape
-from k3tune.search.measure_gpu import time_graph
+from k3tune.shipped import configs_dir
 
 
 def winner(db: str, tp: int, batch: int, routing: str) -> MoeOverlapConfig:
@@ -53,7 +53,7 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=10)
     ap.add_argument("--out", default="bench-moe-wg-ab.json")
     args = ap.parse_args()
-    sh = BlockShape.from_config(Path(__file__).resolve().parent.parent / "configs" / "kimi_k3_config.json")
+    sh = BlockShape.from_config(configs_dir() / "kimi_k3_config.json")
     bw = copy_bandwidth()
     print(f"# {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s, db {args.db}")
     wgs = [WgExpertConfig(*(int(v) for v in c.split("/"))) for c in args.wg.split(",") if c]
@@ -102,16 +102,7 @@ def main() -> None:
                                 moe_experts_wg.quantize_into(x, b["xq"], b["xs"])
                                 moe_experts_wg.run_w13(c, b["xq"], b["xs"], lay["wg"], b["act"], b["groups"], 4.0,
                                                        25.0)
-                    try:
-                        t = time_graph(run, [{}], args.samples)
-                    except Exception as e:  # a variant that cannot run is reported, not fatal
-                        row[name] = {"failed": f"{type(e).__name__}: {str(e)[:200]}"}
-                        print(f"  {name}: FAILED {row[name]['failed']}", flush=True)
-                        continue
-                    t = [v / len(layers) for v in t]
-                    q4 = statistics.quantiles(t, n=4)
-                    med = statistics.median(t)
-                    row[name] = {"us": med, "iqr": q4[2] - q4[0], "roof": floor / med}
+                    row[name] = timed(name, lambda: run, len(layers), args.samples, floor)
                 base = row.get("tc_db", {}).get("us")
                 print(f"tp{tp:<3} batch {batch:<3} {routing:9} experts {touched:4} floor {floor:6.1f} | " +
                       " ".join(f"{n} {v['us']:6.1f} ({v['roof']:.2f}" + (f", x{base / v['us']:.2f})" if base else ")")
@@ -121,15 +112,6 @@ def main() -> None:
         torch.cuda.empty_cache()
     Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "copy_bw": bw, "rows": rows},
                                          indent=1))
-
-
-_BIAS = {}
-
-
-def _bias(n: int):
-    if n not in _BIAS:
-        _BIAS[n] = torch.zeros(n, device="cuda")  # imposed routing: the bias is never read
-    return _BIAS[n]
 
 
 if __name__ == "__main__":

@@ -234,17 +234,7 @@ class Dense:
     """The prototype compiled for the GPU, launched on given tensors."""
 
     def __init__(self, tm, k, stages, rot):
-        import cutlass.cute as cute
-        from cutlass import Float8E4M3FN, Float32, Int32
-        from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
-
-        n = cute.sym_int(divisibility=64)
-        w = make_fake_compact_tensor(Int32, (cute.sym_int(divisibility=10), 64), stride_order=(1, 0),
-                                     assumed_align=16)
-        x = make_fake_compact_tensor(Float8E4M3FN, (tm, k), stride_order=(1, 0), assumed_align=16)
-        y = make_fake_compact_tensor(Float32, (tm, n), stride_order=(1, 0), assumed_align=16)
-        self.fn = cute.compile(kernel_class()(tm, k, stages, rot), w, x, y, make_fake_stream(),
-                               options="--gpu-arch sm_90a")
+        self.fn = compile_fake(tm, k, stages, rot)
 
     def __call__(self, blob, x8, y):
         import torch
