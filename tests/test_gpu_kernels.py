@@ -337,7 +337,7 @@ def test_measurer_runs_the_requested_kernel(module, problem, name, params):
     mod = importlib.import_module(f"k3tune.kernels.{module}")
     before = mod.compiled.cache_info().misses
     out = GpuBackend().measure(Task(1, problem, name, params, 0, 5))
-    assert out.status == "ok" and out.median_us > 0, out
+    assert out.status == "ok" and out.median_us > 0, f"{out.status}: {out.error}"
     assert mod.compiled.cache_info().misses == before + 1  # compiled (and so launched) this config
 
 

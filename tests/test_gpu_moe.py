@@ -263,7 +263,7 @@ def test_measurer_times_the_block_families():
     assert overlap.valid(overlap.config_from_params(p, tuned), p)
     for fam, params in [("moe.stock", {}), ("moe.overlap", tuned)]:
         out = be.measure(Task(0, p, fam, params, 0, 5))
-        assert out.status == "ok" and out.median_us > 0, (fam, out)
+        assert out.status == "ok" and out.median_us > 0, f"{fam}: {out.status}: {out.error}"
 
 
 @pytest.mark.parametrize("path", ["tuned", "stock"])
