@@ -187,10 +187,11 @@ def main() -> None:
     print(json.dumps(save(True), indent=1))
 
 
-def served_knobs(sel, tp: int, batch: int, shared_sms: int | None = None, pdl: int | None = None) -> dict:
+def served_knobs(sel, tp: int, batch: int, shared_sms: int | None = None, pdl: int | None = None,
+                 routed_on: str = "rest") -> dict:
     """The served moe.overlap choice's executor knobs with the SM split replaced (``shared_sms``: 0 = serial, else
-    the shared experts on that many SMs and the routed experts on the rest, an even split at half the SMs) or
-    ``pdl`` replaced; None keeps the choice's own."""
+    the shared experts on that many SMs and the routed experts on ``routed_on``: the rest, as an even split at half
+    the SMs is, or all) or ``pdl`` replaced; None keeps the choice's own."""
     import dataclasses
 
     from k3tune.errors import ConfigError
@@ -201,7 +202,7 @@ def served_knobs(sel, tp: int, batch: int, shared_sms: int | None = None, pdl: i
         raise ConfigError(f"the served block is {choice.family} ({choice.source}), not moe.overlap")
     cfg = choice.config()
     if shared_sms is not None:
-        cfg = dataclasses.replace(cfg, shared_sms=shared_sms, routed_on="rest" if shared_sms else "all")
+        cfg = dataclasses.replace(cfg, shared_sms=shared_sms, routed_on=routed_on if shared_sms else "all")
     if pdl is not None:
         cfg = dataclasses.replace(cfg, pdl=pdl)
     return family("moe.overlap").block_knobs(cfg)

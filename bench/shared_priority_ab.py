@@ -1,0 +1,118 @@
+"""Does the shared experts' side stream need a high priority? The served block, as the database picks it, beside
+the same block whose shared-expert green-context stream was made at the device's greatest stream priority.
+
+Why (s35-r2 profiles): with ``routed_on = all`` the routed kernels may run on every SM, the shared partition's
+included; a shared kernel (SiTU, w2) waits for SM room there until routed CTAs (PDL dependents resident early
+among them) leave, e.g. 12 us between the shared w13's end and its SiTU's start at bf16 TP16 b1. torch
+instantiates graphs with ``cudaGraphInstantiateFlagUseNodePriority``, so a kernel node keeps the priority of the
+stream it was captured on, and the block scheduler gives freed SM room to the higher priority first.
+
+The library is not edited for this (runtime/partition.py is part of every block winner's key): the variant patches
+``cuGreenCtxStreamCreate``'s priority argument while its split is made, into a split cache of its own.
+
+    cd bench && python3 shared_priority_ab.py --points mxfp4:8:1,mxfp4:8:8,bf16:16:1 [--rounds 3] [--samples 15]
+
+A point is format:tp:batch (uniform routing; the model is K3's for mxfp4, the bf16-expert config for bf16). With
+``--split N`` a point whose served block is serial also runs its knobs with the shared experts on N SMs, the routed
+ones on all SMs as every split winner has them (bench/moe.py's ``served_knobs``), at either priority: can a
+high-priority split beat serial where the default split did not? The variants alternate, ``--rounds`` times each,
+so drift falls on all; the table gives each variant's median of its rounds' medians, its ratio to the served block
+and its fraction of the block's roofline (bench/moe.py's bytes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import random
+import statistics
+
+import torch
+from gemm import copy_bandwidth  # bench/gemm.py (this script runs from bench/)
+from moe import block_bytes, served_knobs, time_blocks
+
+from k3tune.plan import model as models
+from k3tune.plan import routing as routings
+from k3tune.runtime import Selector
+from k3tune.runtime import partition
+from k3tune.runtime.moe import BlockShape, EmulatedComm, MoEBlock, random_weights
+from k3tune.shipped import configs_dir
+
+_CACHES: dict[str, dict] = {"default": partition._CACHE, "high": {}}
+
+
+@contextlib.contextmanager
+def stream_priority(variant: str):
+    """Splits made inside come from ``variant``'s cache; in ``high``, their streams at the greatest priority."""
+    from cuda.bindings import driver
+
+    saved_cache, create = partition._CACHE, driver.cuGreenCtxStreamCreate
+    partition._CACHE = _CACHES[variant]
+    if variant == "high":
+        err, _least, greatest = driver.cuCtxGetStreamPriorityRange()
+        assert err == driver.CUresult.CUDA_SUCCESS, err
+        driver.cuGreenCtxStreamCreate = lambda ctx, flags, _priority: create(ctx, flags, greatest)
+    try:
+        yield
+    finally:
+        partition._CACHE, driver.cuGreenCtxStreamCreate = saved_cache, create
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--points", default="mxfp4:8:1,mxfp4:8:8,bf16:16:1")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--samples", type=int, default=15)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--db", default=None)
+    ap.add_argument("--split", type=int, default=32, help="SMs for the forced split of a serial served block (0: none)")
+    args = ap.parse_args()
+
+    sh = BlockShape.from_config(configs_dir() / "kimi_k3_config.json")
+    bw = copy_bandwidth()
+    print(f"# {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s; served blocks, uniform routing, "
+          f"stand-ins timed by gb300 NVLink; shared-expert stream at default vs greatest priority")
+    for point in args.points.split(","):
+        fmt, tp, batch = point.split(":")
+        tp, batch = int(tp), int(batch)
+        model = "kimi_k3_config.json" if fmt == "mxfp4" else "kimi_k3_bf16_experts.json"
+        sel = Selector.load(args.db, model=models.load(configs_dir() / model), routing="uniform")
+        layers = [random_weights(sh, tp, fmt=fmt, device="cuda", seed=i) for i in range(args.layers)]
+        ids = routings.sample("uniform", sh.experts, sh.top_k, batch, random.Random(batch))
+        top = torch.tensor(ids, device="cuda", dtype=torch.int32)
+        x = torch.randn(batch, sh.hidden, device="cuda").to(torch.bfloat16)
+        floor = block_bytes(sh, tp, "tuned", fmt, len({e for r in ids for e in r}), batch) / bw * 1e6
+        comm = EmulatedComm.for_target("gb300", tp)
+        served = MoEBlock.serve(layers[0], sel, batch, comm=comm)
+        variants = [("served", None, "default"), ("served", None, "high")]
+        if served.ran["shared"].startswith("serial") and args.split:
+            variants += [(f"split{args.split}", args.split, "default"), (f"split{args.split}", args.split, "high")]
+        del served
+        blocks, meds = {}, {}
+        for name, sms, prio in variants:
+            with stream_priority(prio):
+                knobs = None if sms is None else served_knobs(sel, tp, batch, sms, routed_on="all")
+                blocks[name, prio] = [MoEBlock.serve(w, sel, batch, comm=comm) if knobs is None else
+                                      MoEBlock.build(w, "tuned", batch=batch, selector=sel, comm=comm, **knobs)
+                                      for w in layers]
+            for b in blocks[name, prio]:
+                b.force_top = top
+            meds[name, prio] = []
+        for _ in range(args.rounds):
+            for v in meds:
+                meds[v].append(statistics.median(time_blocks(blocks[v], x, args.samples)))
+        base = statistics.median(meds["served", "default"])
+        cells = []
+        for (name, prio), m in meds.items():
+            us = statistics.median(m)
+            cells.append(f"{name}/{prio} {us:6.1f} (roof {floor / us:.3f}, x{base / us:.3f}, rounds "
+                         f"{'/'.join(f'{v:.1f}' for v in m)})")
+        first = blocks["served", "default"][0].ran
+        print(f"{fmt:5s} tp{tp:<2d} b{batch:<3d} floor {floor:6.1f} | " + " | ".join(cells) +
+              f" | served shared: {first['shared']}", flush=True)
+        del blocks, layers
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
