@@ -6,7 +6,8 @@ side stream's overlap can be read off.
                                 [--fmt bf16|mxfp4] [--served]
 
 --served profiles the block as serving builds it from the database's ``moe.block`` winner (every knob, the SM
-split included; --paths, --cfgs, --shared-sms and --prefetch-mib are then ignored).
+split included; --paths, --cfgs, --shared-sms and --prefetch-mib are then ignored); --served-pdl 0|1 the same knobs
+with PDL forced off or on.
 
 Runs from bench/ like bench/moe.py (uniform routing imposed, GB300 collective stand-ins).
 """
@@ -17,6 +18,8 @@ import argparse
 import random
 
 import torch
+
+from moe import served_knobs  # bench/moe.py (this script runs from bench/)
 
 from k3tune.kernels.moe_experts import ExpertKernelConfig
 from k3tune.plan import model as models
@@ -42,6 +45,8 @@ def main() -> None:
     ap.add_argument("--model", default="", help="the model whose winners --served looks up (default: the bf16-expert "
                     "config for --fmt bf16, K3's config for mxfp4, as the sweep specs key them)")
     ap.add_argument("--grep", default="", help="print only kernels whose name contains one of these (',')")
+    ap.add_argument("--served-pdl", type=int, default=None, help="with --served: the winner's knobs with PDL forced "
+                    "off (0) or on (1) instead of its own")
     args = ap.parse_args()
     from k3tune.runtime.partition import shared_partition
 
@@ -61,8 +66,15 @@ def main() -> None:
         for path, cfg in runs:
             comm = EmulatedComm(args.tp) if args.link == "none" else EmulatedComm.for_target(args.link, args.tp)
             if path == "served":
-                blocks = [MoEBlock.serve(w, sel, batch, comm=comm) for w in layers]
-                print(f"\n# served: {blocks[0].ran['block']}; shared {blocks[0].ran['shared']}")
+                if args.served_pdl is None:
+                    blocks = [MoEBlock.serve(w, sel, batch, comm=comm) for w in layers]
+                else:
+                    knobs = served_knobs(sel, args.tp, batch, pdl=args.served_pdl)
+                    blocks = [MoEBlock.build(w, "tuned", batch=batch, selector=sel, comm=comm, **knobs)
+                              for w in layers]
+                label = (blocks[0].ran["block"] if args.served_pdl is None
+                         else f"the served knobs, PDL {args.served_pdl}: {knobs}")
+                print(f"\n# served: {label}; shared {blocks[0].ran['shared']}")
             else:
                 blocks = [MoEBlock.build(w, path, batch=batch, selector=sel, prefetch_mib=args.prefetch_mib,
                                          shared_stream=split.shared.stream if split else None,
@@ -95,6 +107,7 @@ def main() -> None:
                   f"kernels in 4 layers, {last / 4:.1f} us/layer; layer 3 of 4:")
             layer = ev[2 * per: 3 * per]
             base = layer[0].time_range.start
+            print(f"  (the layer before ends at {max(e.time_range.end for e in ev[per: 2 * per]) - base:.1f})")
             for e in layer:
                 if args.grep and not any(g in e.name for g in args.grep.split(",")):
                     continue

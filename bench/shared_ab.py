@@ -1,23 +1,27 @@
-"""Does the shared experts' side stream need a high priority? The served block, as the database picks it, beside
-the same block whose shared-expert green-context stream was made at the device's greatest stream priority.
+"""The shared experts beside the routed ones, measured three ways against the served block (the database's pick):
 
-Why (s35-r2 profiles): with ``routed_on = all`` the routed kernels may run on every SM, the shared partition's
-included; a shared kernel (SiTU, w2) waits for SM room there until routed CTAs (PDL dependents resident early
-among them) leave, e.g. 12 us between the shared w13's end and its SiTU's start at bf16 TP16 b1. torch
-instantiates graphs with ``cudaGraphInstantiateFlagUseNodePriority``, so a kernel node keeps the priority of the
-stream it was captured on, and the block scheduler gives freed SM room to the higher priority first.
+- ``high``: the same block whose shared-expert green-context stream was made at the device's greatest stream
+  priority. Why (s35-r2 profiles): with ``routed_on = all`` the routed kernels may run on every SM, the shared
+  partition's included; a shared kernel (SiTU, w2) waits for SM room there until routed CTAs (PDL dependents
+  resident early among them) leave, e.g. 12 us between the shared w13's end and its SiTU's start at bf16 TP16 b1.
+  torch instantiates graphs with ``cudaGraphInstantiateFlagUseNodePriority``, so a kernel node keeps the priority
+  of the stream it was captured on, and the block scheduler gives freed SM room to the higher priority first.
+  The library is not edited for this (runtime/partition.py is part of every block winner's key): the variant
+  patches ``cuGreenCtxStreamCreate``'s priority argument while its split is made, into a split cache of its own.
+  s35-r3: neutral to 3% slower.
+- ``split``: where the served block is serial, its knobs with the shared experts on ``--split`` SMs, the routed
+  ones on all SMs as every split winner has them (bench/moe.py's ``served_knobs``), at default priority (and at the
+  greatest too, with ``high``): can a split beat serial where the tuner found none that did?
+- ``noshared``: the served block with its shared experts replaced by a zero tensor made once (no kernel): a bound,
+  not a block — what the block would take if the shared experts cost nothing, so the most a better shared-expert
+  schedule or kernel could win.
 
-The library is not edited for this (runtime/partition.py is part of every block winner's key): the variant patches
-``cuGreenCtxStreamCreate``'s priority argument while its split is made, into a split cache of its own.
+    cd bench && python3 shared_ab.py --points mxfp4:8:1,mxfp4:8:8,bf16:16:1 [--variants high,split,noshared]
+                                     [--rounds 3] [--samples 15]
 
-    cd bench && python3 shared_priority_ab.py --points mxfp4:8:1,mxfp4:8:8,bf16:16:1 [--rounds 3] [--samples 15]
-
-A point is format:tp:batch (uniform routing; the model is K3's for mxfp4, the bf16-expert config for bf16). With
-``--split N`` a point whose served block is serial also runs its knobs with the shared experts on N SMs, the routed
-ones on all SMs as every split winner has them (bench/moe.py's ``served_knobs``), at either priority: can a
-high-priority split beat serial where the default split did not? The variants alternate, ``--rounds`` times each,
-so drift falls on all; the table gives each variant's median of its rounds' medians, its ratio to the served block
-and its fraction of the block's roofline (bench/moe.py's bytes).
+A point is format:tp:batch (uniform routing; the model is K3's for mxfp4, the bf16-expert config for bf16). The
+variants alternate, ``--rounds`` times each, so drift falls on all; the table gives each variant's median of its
+rounds' medians, its ratio to the served block and its fraction of the block's roofline (bench/moe.py's bytes).
 """
 
 from __future__ import annotations
@@ -65,7 +69,9 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=15)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--db", default=None)
-    ap.add_argument("--split", type=int, default=32, help="SMs for the forced split of a serial served block (0: none)")
+    ap.add_argument("--split", type=int, default=32, help="SMs for the forced split of a serial served block")
+    ap.add_argument("--variants", default="high,split,noshared", help="beside the served block: any of high, split, "
+                    "noshared (see the module doc)")
     args = ap.parse_args()
 
     sh = BlockShape.from_config(configs_dir() / "kimi_k3_config.json")
@@ -84,9 +90,16 @@ def main() -> None:
         floor = block_bytes(sh, tp, "tuned", fmt, len({e for r in ids for e in r}), batch) / bw * 1e6
         comm = EmulatedComm.for_target("gb300", tp)
         served = MoEBlock.serve(layers[0], sel, batch, comm=comm)
-        variants = [("served", None, "default"), ("served", None, "high")]
-        if served.ran["shared"].startswith("serial") and args.split:
-            variants += [(f"split{args.split}", args.split, "default"), (f"split{args.split}", args.split, "high")]
+        want = set(args.variants.split(",")) - {""}
+        if want - {"high", "split", "noshared"}:
+            raise SystemExit(f"error: --variants: unknown {sorted(want - {'high', 'split', 'noshared'})}")
+        prios = ["default"] + (["high"] if "high" in want else [])
+        variants = [("served", None, p) for p in prios]
+        if served.ran["shared"].startswith("serial") and "split" in want:
+            variants += [(f"split{args.split}", args.split, p) for p in prios]
+        if "noshared" in want:
+            variants.append(("noshared", None, "default"))
+        zeros = torch.zeros(batch, sh.hidden, device="cuda", dtype=torch.bfloat16)
         del served
         blocks, meds = {}, {}
         for name, sms, prio in variants:
@@ -97,6 +110,8 @@ def main() -> None:
                                       for w in layers]
             for b in blocks[name, prio]:
                 b.force_top = top
+                if name == "noshared":
+                    b._shared = lambda _x: zeros  # the shared experts' output, made once: no kernel
             meds[name, prio] = []
         for _ in range(args.rounds):
             for v in meds:
