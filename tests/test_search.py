@@ -924,13 +924,36 @@ def test_ops_that_run_others_kernels_are_swept_after_them_against_what_they_stor
     assert driver.unmet_runs(db, hw_id, Backend.simulated, "simulated", blocks) == []
 
 
+def _winner_moves_tried(db, moves) -> tuple[int, int]:
+    """(untried, tried): how many valid configs ``moves(family, problem, params)`` makes of the final kda.o_proj
+    winners in ``db``, by whether the sweep measured them."""
+    from k3tune.errors import CannotImplement
+    from k3tune.store.models import ProblemRow
+
+    n = [0, 0]
+    with db.session() as s:
+        won = select(ProblemRow.key, ProblemRow.dims, Winner.family, Winner.params).join(
+            Winner, Winner.problem_id == ProblemRow.id)
+        for key, dims, fam, params in s.execute(won):
+            p = Problem("kda.o_proj", "gemm", tuple(dims.items()))
+            f = family(fam)
+            tried = set(s.scalars(select(Trial.params_key).join(ProblemRow, ProblemRow.id == Trial.problem_id)
+                                  .where(ProblemRow.key == key, Trial.family == fam)))
+            for prm in moves(f, p, params):
+                try:
+                    cfg = f.config_from_params(p, prm)
+                except CannotImplement:
+                    continue
+                if f.valid(cfg, p):
+                    n[params_key(cfg.params()) in tried] += 1
+    return n[0], n[1]
+
+
 def test_local_passes_try_the_winners_one_knob_neighbours(tmp_path):
     """With ``[search] local = 1`` the polish passes also try each problem's winner with one knob moved one step in
     its declared space, until a pass finds nothing new: at the end the final winner's valid neighbours are all
     tried (the hill climb stopped at a local optimum), which the same sweep without it leaves untried."""
-    from k3tune.errors import CannotImplement
     from k3tune.search.polish import local_moves
-    from k3tune.store.models import ProblemRow
 
     def sweep(local: int):
         sp = spec.from_dict({"matrix": {"tp": [16], "batch": [1, 8], "ops": ["kda.o_proj"]},
@@ -944,23 +967,52 @@ def test_local_passes_try_the_winners_one_knob_neighbours(tmp_path):
     untried = {}
     for local in (0, 1):
         db, st = sweep(local)
-        untried[local] = 0
-        with db.session() as s:
-            won = select(ProblemRow.key, ProblemRow.dims, Winner.family, Winner.params).join(
-                Winner, Winner.problem_id == ProblemRow.id)
-            for key, dims, fam, params in s.execute(won):
-                p = Problem("kda.o_proj", "gemm", tuple(dims.items()))
-                f = family(fam)
-                tried = set(s.scalars(select(Trial.params_key).join(ProblemRow, ProblemRow.id == Trial.problem_id)
-                                      .where(ProblemRow.key == key, Trial.family == fam)))
-                for prm in local_moves(f, p, params):
-                    try:
-                        cfg = f.config_from_params(p, prm)
-                    except CannotImplement:
-                        continue
-                    untried[local] += f.valid(cfg, p) and params_key(cfg.params()) not in tried
+        untried[local] = _winner_moves_tried(db, local_moves)[0]
         assert local == 0 or st.polish_passes < 8, "the climb must end before the pass limit"
     assert untried[1] == 0 < untried[0], untried
+
+
+def test_whole_knobs_are_tried_at_every_value_on_each_winner(tmp_path):
+    """With ``[search] whole = [knob]`` the polish passes try each problem's winner at every value its family declares
+    for that knob (the rest of it unchanged), valid ones measured: on a real SQLite sweep none is left untried at the
+    end, which the same sweep without it leaves untried. A knob no family of the sweep declares is a one-line error
+    before anything runs, and so is ``whole`` without polish passes."""
+    from k3tune.errors import ConfigError
+    from k3tune.search.polish import whole_moves
+
+    def sp(whole, polish=8):
+        return spec.from_dict({"matrix": {"tp": [16], "batch": [1, 8], "ops": ["kda.o_proj"]},
+                               "buckets": {"tokens": [1, 8], "batch": [1, 8], "query_len": [1]},
+                               "search": {"budget": 6, "samples": 5, "remeasure_top": 2, "polish": polish,
+                                          "whole": whole}})
+
+    untried = {}
+    for whole in ([], ["split_k"]):
+        db = store_db.open_db(str(tmp_path / f"whole{len(whole)}.sqlite"))
+        st = run_sweep(_opts(db, sp(whole), workers=2))
+        assert st.problems_done == st.problems_total == 2 and not st.no_winner
+        untried[len(whole)] = _winner_moves_tried(db, lambda f, p, prm: whole_moves(f, p, prm, ("split_k",)))
+    assert untried[1][0] == 0 < untried[0][0] and untried[1][1] > 0, untried
+
+    db = store_db.open_db(str(tmp_path / "typo.sqlite"))
+    with pytest.raises(ConfigError, match=r"\[search\] whole names shared_smz, which no kernel family"):
+        run_sweep(_opts(db, sp(["shared_smz"]), workers=1))
+    with pytest.raises(ConfigError, match="needs polish >= 1"):
+        sp(["split_k"], polish=0)
+    with pytest.raises(ConfigError, match="whole must be a list of knob names"):
+        sp("split_k")
+
+
+def test_whole_moves_set_one_knob_to_each_other_declared_value():
+    from k3tune.search.polish import whole_moves
+
+    p = Problem("kda.o_proj", "gemm", (("M", 8), ("N", 7168), ("K", 768)))
+    f = family("gemm.smallm")
+    params = {"rows_per_cta": 2, "warps": 4, "split_k": 4, "unroll": 1, "pdl": 1}
+    moves = whole_moves(f, p, params, ("split_k", "not_a_knob"))
+    assert [m["split_k"] for m in moves] == [1, 2, 8, 16]
+    assert all({k: v for k, v in m.items() if k != "split_k"} == {k: v for k, v in params.items() if k != "split_k"}
+               for m in moves)
 
 
 def test_redo_problems_makes_the_next_sweep_decide_them_again_from_their_winners(tmp_path, monkeypatch):

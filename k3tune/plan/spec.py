@@ -35,6 +35,10 @@ class SearchSettings:
     # space (a hill climb over the passes; H200, session 17: the search's ~20 trials a problem kept a 6-stage ring
     # where the same layout with 4 stages ran 1.26x faster). A climb the pass limit cuts short goes on in the next
     # run of the spec, so such a rerun is not free (simulated H200 dense spec: 8 passes, +33% trials)
+    whole: tuple[str, ...] = ()  # knobs whose every declared value the polish passes try on each problem's winner,
+    # the rest of it unchanged (one step is too short for a knob whose values are alternatives, not a scale: the SM
+    # split's 0 -> 8 shared SMs says little of 32; H200 s35-r6: a serial MXFP4 block winner's knobs on a 32-SM split
+    # ran 1.5% faster). The names must be knobs some family of the sweep declares.
 
 
 @dataclass(frozen=True)
@@ -54,7 +58,10 @@ class SweepSpec:
     model_config: str | None
 
     def digest(self) -> str:
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
+        d = asdict(self)
+        if not d["search"]["whole"]:  # a spec without it keeps the digest its runs recorded before it existed
+            del d["search"]["whole"]
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _ints(section: dict, key: str, where: str, default=None) -> tuple[int, ...]:
@@ -143,10 +150,15 @@ def from_dict(raw: dict, name: str = "spec") -> SweepSpec:
     unknown = set(s) - known
     if unknown:
         raise ConfigError(f"{where}: unknown [search] keys {sorted(unknown)}")
+    whole = s.get("whole", [])
+    if not isinstance(whole, list) or not all(isinstance(k, str) and k for k in whole):
+        raise ConfigError(f"{where}: [search] whole must be a list of knob names")
     try:
-        search = SearchSettings(**{k: int(v) for k, v in s.items()})
+        search = SearchSettings(**{k: int(v) for k, v in s.items() if k != "whole"}, whole=tuple(whole))
     except (TypeError, ValueError):
-        raise ConfigError(f"{where}: [search] values must be integers") from None
+        raise ConfigError(f"{where}: [search] values must be integers (whole: a list of knob names)") from None
+    if search.whole and search.polish < 1:
+        raise ConfigError(f"{where}: [search] whole is tried by the polish passes: it needs polish >= 1")
     if (search.budget < 1 or search.samples < 3 or search.patience < 1 or search.remeasure_top < 1
             or search.polish < 0 or not 0 <= search.safe_margin_pct <= 50 or search.local not in (0, 1)):
         raise ConfigError(f"{where}: [search] needs budget >= 1, samples >= 3, patience >= 1, remeasure_top >= 1, "

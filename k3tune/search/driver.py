@@ -226,6 +226,13 @@ def _run_phase(opt: SweepOptions, plan: plans.Plan, t_start: float) -> SweepStat
         tunable = [p for p in tunable if p.kind != "allreduce" or p["group"] <= opt.workers]
     if not tunable:
         raise ConfigError(f"nothing to tune on the {opt.backend} backend for spec {opt.spec.name}")
+    if opt.spec.search.whole:  # a misspelt knob would try nothing, silently
+        one_each = list({p.op: p for p in tunable}.values())
+        unknown = sorted(set(opt.spec.search.whole) - polish.declared_knobs(
+            lambda p: families_for(p, opt.backend), one_each))
+        if unknown:
+            raise ConfigError(f"spec {opt.spec.name}: [search] whole names {', '.join(unknown)}, which no kernel "
+                              f"family of its ops declares")
     backend_spec = ("simulated", opt.hw.key, opt.spec.search.seed) if opt.backend == "simulated" else (opt.backend,)
     procs = default_procs(opt.workers) if opt.compile_procs is None else opt.compile_procs
     procs = procs if opt.backend == "gpu" else 0
@@ -338,10 +345,13 @@ def _run_phase(opt: SweepOptions, plan: plans.Plan, t_start: float) -> SweepStat
         at_m = sorted((n for n in same_m.get((p.kind, p.get("M")), []) if n[0].op != p.op and n[0].dims != p.dims),
                       key=lambda n: (distance(n[0], p), n[0].op))
         moved = []
-        if opt.spec.search.local:  # the winner's one-knob neighbours (a hill climb over the passes)
+        search = opt.spec.search
+        if search.local or search.whole:  # the winner's one-knob neighbours (a hill climb over the passes), and
+            # every value of the ``whole`` knobs
             fams = {f.name: f for f in families_for(p, opt.backend, arch)}
             moved = [(p, fam, prm) for q, fam, params in mine if fam in fams
-                     for prm in polish.local_moves(fams[fam], p, params)]
+                     for prm in ((polish.local_moves(fams[fam], p, params) if search.local else [])
+                                 + polish.whole_moves(fams[fam], p, params, search.whole))]
         return mine + moved + same_shape + others[:polish.NEIGHBOURS] + at_m[:polish.CROSS_OP]
 
     def warm(p: plans.Problem) -> list[tuple[str, dict, plans.Problem]]:

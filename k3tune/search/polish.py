@@ -8,7 +8,8 @@ starts only from earlier runs' winners, so that the worker count cannot change a
 stored winners once every problem is decided, is the same for any worker count and on every machine sharing the
 sweep. The driver runs the passes (``[search] polish`` at most) until nothing is left untried. With ``[search]
 local = 1`` a pass also tries each problem's winner with one knob moved one step (``local_moves``): over the passes, a
-hill climb from what the search found.
+hill climb from what the search found. With ``[search] whole = [knobs]`` it also tries the winner at every declared
+value of those knobs (``whole_moves``): for a knob whose values are alternatives rather than a scale (the SM split).
 """
 
 from __future__ import annotations
@@ -42,6 +43,19 @@ def local_moves(fam: KernelFamily, problem: Problem, params: dict) -> list[dict]
         i = values.index(params[knob])
         out += [{**params, knob: values[j]} for j in (i - 1, i + 1) if 0 <= j < len(values)]
     return out
+
+
+def whole_moves(fam: KernelFamily, problem: Problem, params: dict, knobs: tuple[str, ...]) -> list[dict]:
+    """``params`` with one of ``knobs`` set to each other value the family's space for ``problem`` declares (knobs it
+    does not declare are left out); whether a move is valid is the search's to check."""
+    space = fam.cached_space(problem)
+    return [{**params, knob: v} for knob in knobs if knob in space and knob in params
+            for v in space[knob] if v != params[knob]]
+
+
+def declared_knobs(fams, problems) -> set[str]:
+    """Every knob the families declare for any of the problems (``fams(problem)``: its families)."""
+    return {k for p in problems for f in fams(p) for k in f.cached_space(p)}
 
 
 def current_winners(db: Database, hw_id: int, backend: Backend, digests: dict[int, str]) -> dict[int, tuple[str, dict]]:
