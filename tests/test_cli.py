@@ -108,12 +108,15 @@ def test_bad_files_are_one_line_and_untouched(tmp_path, capsys):
 
 def test_a_spec_the_model_cannot_plan_fails_before_any_database_is_made(tmp_path, capsys):
     """A spec naming an unknown op (or a tp the model's widths do not divide) failed only after the sweep had
-    created its database file and started its workers: the error now comes first, and nothing is written."""
+    created its database file and started its workers: the error now comes first, and nothing is written. The same
+    for a ``[search] whole`` knob that no family of the spec's ops declares."""
     from k3tune.plan import spec as specs
 
     text = (specs.configs_dir() / "sweep_smoke.toml").read_text()
     for name, edit, msg in (("op", text.replace('"kda.o_proj"', '"kda.oproj"'), "unknown op 'kda.oproj'"),
-                            ("tp", text.replace("tp = [8, 16]", "tp = [5]"), "tp 5 does not divide")):
+                            ("tp", text.replace("tp = [8, 16]", "tp = [5]"), "tp 5 does not divide"),
+                            ("whole", text.replace("[search]", '[search]\nwhole = ["split_kk"]'),
+                             "[search] whole names split_kk, which no kernel family of its ops declares")):
         sp = tmp_path / f"{name}.toml"
         sp.write_text(edit)
         db = tmp_path / f"{name}.sqlite"

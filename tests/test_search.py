@@ -994,6 +994,14 @@ def test_whole_knobs_are_tried_at_every_value_on_each_winner(tmp_path):
         untried[len(whole)] = _winner_moves_tried(db, lambda f, p, prm: whole_moves(f, p, prm, ("split_k",)))
     assert untried[1][0] == 0 < untried[0][0] and untried[1][1] > 0, untried
 
+    # a winners-only export (what ships in tuning_db/) has no trial to compare a move with: the passes leave its
+    # problems alone, and the sweep says how many (s35-r7 tried nothing there, silently)
+    from k3tune.store.transfer import export
+
+    export(db, tmp_path / "shipped.sqlite")
+    st = run_sweep(_opts(store_db.open_db(str(tmp_path / "shipped.sqlite")), sp(["split_k"]), workers=1))
+    assert (st.trials, st.problems_done_before, st.polish_passes, st.polish_untimed) == (0, 2, 0, 2), st
+
     db = store_db.open_db(str(tmp_path / "typo.sqlite"))
     with pytest.raises(ConfigError, match=r"\[search\] whole names shared_smz, which no kernel family"):
         run_sweep(_opts(db, sp(["shared_smz"]), workers=1))

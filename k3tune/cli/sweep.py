@@ -15,7 +15,7 @@ from k3tune import settings
 from k3tune.cli.common import ConfigOption, DbOption, JsonOption, SpecOption, console, db_target, print_json
 from k3tune.errors import ConfigError, HardwareError
 from k3tune.plan import hardware, model as models, problems, spec as specs
-from k3tune.search.driver import SweepOptions, SweepStats, run_sweep
+from k3tune.search.driver import SweepOptions, SweepStats, check_whole_knobs, run_sweep
 from k3tune.shipped import tuning_db_dir
 from k3tune.store.db import open_db
 
@@ -82,6 +82,7 @@ def sweep(
         raise ConfigError(f"--trial-timeout must be more than 0 seconds, not {trial_timeout}")
     if not lease >= MIN_LEASE_S:  # claims renew every lease / 3: shorter, another machine takes live problems over
         raise ConfigError(f"--lease must be at least {MIN_LEASE_S:.0f} seconds, not {lease}")
+    check_whole_knobs(sp, plan.problems, backend)  # before a database is made
     target = db_target(db)
     if "://" not in target and Path(target).resolve().parent == tuning_db_dir().resolve():
         raise ConfigError(f"{target}: tuning_db/ is read-only shipped data; sweep into another database and "
@@ -108,6 +109,7 @@ def sweep(
                "reused_trials": stats.reused, "polished": stats.polished, "polish_changed": stats.polish_changed,
                "polish_passes": stats.polish_passes, "polish_s": round(stats.polish_s, 1),
                "polish_plan_s": round(stats.polish_plan_s, 1), "polish_build_s": round(stats.polish_build_s, 1),
+               "polish_untimed": stats.polish_untimed,
                "workers_replaced": stats.workers_replaced,
                "workers_retired": stats.workers_retired,
                "no_winner": stats.no_winner, "refused_stored_trials": stats.refused, "skipped_ops": stats.skipped_ops, "seconds": round(stats.seconds, 1)}
@@ -121,6 +123,10 @@ def sweep(
         console.print(f"polish: {stats.polish_passes} passes tried neighbours' winners on {stats.polished} problems; "
                       f"{stats.polish_changed} chose another kernel ({stats.polish_s:.1f} s, planning "
                       f"{stats.polish_plan_s:.1f} s)")
+    if stats.polish_untimed:
+        console.print(f"[yellow]polish: {stats.polish_untimed} problems left alone[/]: their winners have no trial in "
+                      "this database (a winners-only export, or timed another way), so nothing can be compared with "
+                      "them; `python bench/redo_problems.py DB PATTERN` has the next sweep decide them again")
     for r in stats.refused[:10]:
         console.print(f"[yellow]refused stored trial outside the declared space:[/] {escape(str(r))}")
     for op, why in stats.skipped_ops.items():

@@ -97,6 +97,8 @@ class SweepStats:
     polish_s: float = 0.0  # wall time from the first pass's planning to the sweep's end (the passes' tail latency)
     polish_plan_s: float = 0.0  # of which planning passes in the driver (the workers idle meanwhile)
     polish_build_s: float = 0.0  # worker time spent building (or loading) kernels during the passes
+    polish_untimed: int = 0  # problems the passes left alone: their winner has no trial in the database (a
+    # winners-only export; s35-r7 ran a polish spec on the shipped database and tried nothing)
     run_id: int = 0
 
 
@@ -195,6 +197,17 @@ def _merged(a: SweepStats, b: SweepStats) -> SweepStats:
     return out
 
 
+def check_whole_knobs(spec: SweepSpec, problems: list[plans.Problem], backend: str) -> None:
+    """``[search] whole`` must name knobs that a kernel family of the problems declares: a misspelt one would try
+    nothing, silently. The CLI calls this before it opens a database; the sweep again on what it tunes."""
+    if spec.search.whole:
+        one_each = list({p.op: p for p in problems}.values())
+        unknown = sorted(set(spec.search.whole) - polish.declared_knobs(lambda p: families_for(p, backend), one_each))
+        if unknown:
+            raise ConfigError(f"spec {spec.name}: [search] whole names {', '.join(unknown)}, which no kernel family "
+                              f"of its ops declares")
+
+
 def run_sweep(opt: SweepOptions) -> SweepStats:
     t_start = time.monotonic()
     plan = opt.plan or plans.build(opt.spec, opt.model)  # once: the phases share it
@@ -226,13 +239,7 @@ def _run_phase(opt: SweepOptions, plan: plans.Plan, t_start: float) -> SweepStat
         tunable = [p for p in tunable if p.kind != "allreduce" or p["group"] <= opt.workers]
     if not tunable:
         raise ConfigError(f"nothing to tune on the {opt.backend} backend for spec {opt.spec.name}")
-    if opt.spec.search.whole:  # a misspelt knob would try nothing, silently
-        one_each = list({p.op: p for p in tunable}.values())
-        unknown = sorted(set(opt.spec.search.whole) - polish.declared_knobs(
-            lambda p: families_for(p, opt.backend), one_each))
-        if unknown:
-            raise ConfigError(f"spec {opt.spec.name}: [search] whole names {', '.join(unknown)}, which no kernel "
-                              f"family of its ops declares")
+    check_whole_knobs(opt.spec, tunable, opt.backend)
     backend_spec = ("simulated", opt.hw.key, opt.spec.search.seed) if opt.backend == "simulated" else (opt.backend,)
     procs = default_procs(opt.workers) if opt.compile_procs is None else opt.compile_procs
     procs = procs if opt.backend == "gpu" else 0
@@ -506,6 +513,7 @@ def _run_phase(opt: SweepOptions, plan: plans.Plan, t_start: float) -> SweepStat
                     records.plan_claims(s, hw_id, label, wanted)
                 stats.polished += len(wanted)
                 stats.polish_passes += 1
+            stats.polish_untimed = len(planner.untimed)
             stats.polish_changed = sum(1 for pid, w in polish.current_winners(opt.db, hw_id, label, {
                 pid: wanted_all[pid] for pid in incumbent}).items() if incumbent[pid] != w)
             if polish_start:

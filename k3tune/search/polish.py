@@ -76,6 +76,7 @@ class Planner:
         self.db, self.hw_id, self.backend, self.settings = db, hw_id, backend, settings
         self.families, self.fam_digests, self.method, self.near = families, fam_digests, method, near
         self._base: dict[int, set] = {}  # per problem, what its search knew itself (defaults, seeds)
+        self.untimed: set[int] = set()  # problems left alone: their winner is not among their trials
 
     def plan(self, problems: dict[int, Problem], digests: dict[int, str]) -> dict[int, str]:
         """The problems on which a neighbour's winner has not been tried, each with the pass's claim key (the
@@ -91,8 +92,12 @@ class Planner:
             p, fams = problems[pid], self.families(problems[pid])
             names = {f.name for f in fams}
             tried = {t for t in tried_by[pid] if t[0] in names}
-            if pid not in won or (won[pid][0], params_key(won[pid][1])) not in tried:
+            if pid not in won:
                 continue
+            if (won[pid][0], params_key(won[pid][1])) not in tried:
+                self.untimed.add(pid)
+                continue
+            self.untimed.discard(pid)
             if pid not in self._base:
                 self._base[pid] = {(c.family, c.key) for c in known_candidates(p, fams, self.settings)}
             new = sorted({(c.family, c.key) for c in known_candidates(p, fams, self.settings, self.near(p))}
