@@ -13,7 +13,7 @@ import time
 
 from k3tune.plan import model as models, spec as specs
 from k3tune.search.driver import SweepOptions, run_sweep
-from k3tune.store.db import open_db
+from k3tune.store.db import interrupts_between_sessions, open_db
 
 
 def main() -> None:
@@ -34,9 +34,18 @@ def main() -> None:
             print(f"[{st.seconds:6.0f}s] problems {st.problems_done_before + st.problems_done}/{st.problems_total} "
                   f"trials {st.trials} failed {st.failed} replaced {st.workers_replaced}", flush=True)
 
-    st = run_sweep(SweepOptions(sp, models.load(sp.model_config), open_db(args.db), "gpu", args.gpus,
-                                trial_timeout_s=args.trial_timeout, command=" ".join(["bench/device_sweep.py", *sys.argv[1:]]),
-                                progress=progress, compile_procs=args.compile_procs))
+    db = open_db(args.db)
+    try:
+        with interrupts_between_sessions():  # `timeout N python3 bench/device_sweep.py ...`: a clean stop
+            st = run_sweep(SweepOptions(sp, models.load(sp.model_config), db, "gpu", args.gpus,
+                                        trial_timeout_s=args.trial_timeout,
+                                        command=" ".join(["bench/device_sweep.py", *sys.argv[1:]]),
+                                        progress=progress, compile_procs=args.compile_procs))
+    except KeyboardInterrupt:
+        print("interrupted: finished trials are saved; run the same command again to resume", flush=True)
+        sys.exit(130)
+    finally:
+        db.close()  # SQLite's WAL file folded into the database file: a copy of it alone is whole
     print(json.dumps({k: v for k, v in vars(st).items() if k != "last"}, default=str, indent=1))
 
 

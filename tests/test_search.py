@@ -567,10 +567,14 @@ def _live_members(pgid: int) -> list[int]:
     return out
 
 
-def test_ctrl_c_mid_sweep_says_so_and_keeps_its_trials(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_ctrl_c_mid_sweep_says_so_and_keeps_its_trials(tmp_path, sig):
     """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) mid-sweep: exit 130 with a one-line
     message saying how to resume (typer turned it into a silent 130 before), no traceback, the run marked
-    interrupted, the committed trials kept and no worker left behind."""
+    interrupted, the committed trials kept and no worker left behind. SIGTERM to the group (a job scheduler's
+    stop, `timeout`) the same way (it killed the sweep where it stood before); and either way the database file
+    holds every committed trial when the sweep has exited, none left in SQLite's WAL file (s35-r9 lost a timed-out
+    sweep's trials by copying the database file alone)."""
     db_path = tmp_path / "i.sqlite"
     cmd = [sys.executable, "-m", "k3tune", "sweep", "--gpus", "2", "--simulate", "gb300", "--spec", "default",
            "--db", str(db_path)]
@@ -579,7 +583,7 @@ def test_ctrl_c_mid_sweep_says_so_and_keeps_its_trials(tmp_path):
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and not (db_path.exists() and _count(db_path) > 200):
         time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGINT)
+    os.killpg(proc.pid, sig)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err[-2000:]
     assert "interrupted: finished trials are saved; run the same command again to resume" in err
@@ -590,10 +594,13 @@ def test_ctrl_c_mid_sweep_says_so_and_keeps_its_trials(tmp_path):
     assert _live_members(proc.pid) == []  # every worker has exited (a zombie awaiting its reaper is not alive)
     import sqlite3
 
+    wal = db_path.with_name(db_path.name + "-wal")
+    assert not wal.exists() or wal.stat().st_size == 0  # before anything opens the database again
     with sqlite3.connect(db_path) as c:
         assert c.execute("select status from runs").fetchall() == [("interrupted",)]
         assert c.execute("select count(*) from trials").fetchone()[0] > 200
         assert c.execute("select count(*) from winners").fetchone()[0] < 1124
+        assert c.execute("select count(*) from claims where state = 'claimed'").fetchone()[0] == 0  # released
 
 
 def test_simulated_h200_cublas_is_calibrated_against_measurements():

@@ -17,7 +17,7 @@ from k3tune.errors import ConfigError, HardwareError
 from k3tune.plan import hardware, model as models, problems, spec as specs
 from k3tune.search.driver import SweepOptions, SweepStats, check_whole_knobs, run_sweep
 from k3tune.shipped import tuning_db_dir
-from k3tune.store.db import open_db
+from k3tune.store.db import interrupts_between_sessions, open_db
 
 
 def _visible_gpus() -> int:
@@ -100,9 +100,14 @@ def sweep(
             progress.update(task, total=st.problems_total, completed=st.problems_done_before + st.problems_done,
                             info=f"trials {st.trials} failed {st.failed}{best}")
 
-        stats = run_sweep(SweepOptions(sp, model, database, backend, workers, hw=hw, trial_timeout_s=trial_timeout,
-                                       lease_s=lease, wait_for_others=wait, command=command, progress=on_progress,
-                                       compile_procs=compile_procs, plan=plan))
+        try:
+            with interrupts_between_sessions():  # Ctrl-C or a scheduler's SIGTERM: a clean stop
+                stats = run_sweep(SweepOptions(sp, model, database, backend, workers, hw=hw,
+                                               trial_timeout_s=trial_timeout, lease_s=lease, wait_for_others=wait,
+                                               command=command, progress=on_progress, compile_procs=compile_procs,
+                                               plan=plan))
+        finally:
+            database.close()  # SQLite's WAL file folded into the database file
     summary = {"database": str(database.path or database.url), "backend": label, "run_id": stats.run_id,
                "problems": stats.problems_total, "already_done": stats.problems_done_before,
                "tuned_now": stats.problems_done, "trials": stats.trials, "failed_trials": stats.failed,
