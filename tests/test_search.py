@@ -1009,6 +1009,15 @@ def test_whole_knobs_are_tried_at_every_value_on_each_winner(tmp_path):
     st = run_sweep(_opts(store_db.open_db(str(tmp_path / "shipped.sqlite")), sp(["split_k"]), workers=1))
     assert (st.trials, st.problems_done_before, st.polish_passes, st.polish_untimed) == (0, 2, 0, 2), st
 
+    # a knob only the block's families declare, in a sweep whose first phase is the dense ops the blocks run:
+    # checked over the whole plan, not per phase (it failed the dense phase before)
+    mixed = spec.from_dict({"matrix": {"tp": [16], "batch": [1], "ops": ["moe.router_latent", "moe.block"]},
+                            "buckets": {"tokens": [1], "batch": [1], "query_len": [1]},
+                            "search": {"budget": 4, "samples": 5, "remeasure_top": 2, "polish": 2,
+                                       "whole": ["shared_sms"]}})
+    st = run_sweep(_opts(store_db.open_db(str(tmp_path / "mixed.sqlite")), mixed, workers=1, phased=True))
+    assert st.problems_done == st.problems_total == 2 and not st.no_winner
+
     db = store_db.open_db(str(tmp_path / "typo.sqlite"))
     with pytest.raises(ConfigError, match=r"\[search\] whole names shared_smz, which no kernel family"):
         run_sweep(_opts(db, sp(["shared_smz"]), workers=1))

@@ -199,7 +199,7 @@ def _merged(a: SweepStats, b: SweepStats) -> SweepStats:
 
 def check_whole_knobs(spec: SweepSpec, problems: list[plans.Problem], backend: str) -> None:
     """``[search] whole`` must name knobs that a kernel family of the problems declares: a misspelt one would try
-    nothing, silently. The CLI calls this before it opens a database; the sweep again on what it tunes."""
+    nothing, silently. The CLI calls this before it opens a database; ``run_sweep`` again, once for all its phases."""
     if spec.search.whole:
         one_each = list({p.op: p for p in problems}.values())
         unknown = sorted(set(spec.search.whole) - polish.declared_knobs(lambda p: families_for(p, backend), one_each))
@@ -211,6 +211,9 @@ def check_whole_knobs(spec: SweepSpec, problems: list[plans.Problem], backend: s
 def run_sweep(opt: SweepOptions) -> SweepStats:
     t_start = time.monotonic()
     plan = opt.plan or plans.build(opt.spec, opt.model)  # once: the phases share it
+    # over every phase's problems: a knob only the second phase's families declare is no misspelling in the first
+    check_whole_knobs(opt.spec, [p for p in plan.problems if opt.only_ops is None or p.op in opt.only_ops],
+                      opt.backend)
     phased = opt.phased if opt.phased is not None else opt.backend == "gpu"
     if opt.only_ops is None and phased:
         ops = {p.op for p in plan.problems if families_for(p, opt.backend)}
@@ -239,7 +242,6 @@ def _run_phase(opt: SweepOptions, plan: plans.Plan, t_start: float) -> SweepStat
         tunable = [p for p in tunable if p.kind != "allreduce" or p["group"] <= opt.workers]
     if not tunable:
         raise ConfigError(f"nothing to tune on the {opt.backend} backend for spec {opt.spec.name}")
-    check_whole_knobs(opt.spec, tunable, opt.backend)
     backend_spec = ("simulated", opt.hw.key, opt.spec.search.seed) if opt.backend == "simulated" else (opt.backend,)
     procs = default_procs(opt.workers) if opt.compile_procs is None else opt.compile_procs
     procs = procs if opt.backend == "gpu" else 0
