@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# One device call: re-decide MoE block winners of the shipped DB with every SM split of each winner tried ([search]
+# whole, configs/sweep_h200_moe_mxfp4_split.toml), then bench them as served. Each FMT:TP:ROUTING runs in turn into
+# one copy of tuning_db/h200.sqlite: redo (bench/redo_problems.py) that format, tp and routing's blocks, sweep them
+# with the split spec set to them under a time limit, checkpoint the WAL, then bench/moe.py --served on the copy.
+# Usage (device tool, kind nvidia-h200, carry [".carry"]):
+#   SWEEP_S=170 bash bench/split_polish.sh mxfp4:16:uniform bf16:16:uniform
+# Writes $OUT/split.log (everything), $OUT/served-FMT-tpTP-ROUTING.json, $OUT/split.sqlite.xz (every trial) and
+# $OUT/new.sqlite (the export to ship after `k3tune db diff` / `db verify`). A sweep cut by its limit stops the rest
+# (its trials are kept: resume from split.sqlite.xz with START_DB=...).
+set -uo pipefail
+source .carry/cutedsl/unpack.sh || exit 1
+log=$OUT/split.log
+db=/tmp/split.sqlite
+if [ -n "${START_DB:-}" ]; then xz -dc "$START_DB" > $db || exit 1; else cp tuning_db/h200.sqlite $db; fi
+nvidia-smi --query-gpu=index,name,clocks.sm,temperature.gpu --format=csv >> $log
+for point in "$@"; do
+  IFS=: read -r fmt tp routing <<< "$point"
+  model=$([ "$fmt" = bf16 ] && echo kimi_k3_bf16_experts.json || echo kimi_k3_config.json)
+  tag=$fmt-tp$tp-${routing%%:*}
+  spec=/tmp/split-$tag.toml
+  sed -e "s/^name = .*/name = \"h200_moe_split_$(echo $tag | tr - _)\"/" -e "s/^tp = .*/tp = [$tp]/" \
+    -e "s/^routing = .*/routing = \"$routing\"/" -e "s/^config = .*/config = \"$model\"/" \
+    configs/sweep_h200_moe_mxfp4_split.toml > $spec
+  if [ -z "${START_DB:-}" ]; then
+    python3 bench/redo_problems.py $db "moe.block[tp=$tp,%format=$fmt,routing=$routing]" >> $log 2>&1 || exit 1
+  fi
+  t0=$SECONDS
+  timeout ${SWEEP_S:-170} python3 bench/device_sweep.py --spec $spec --db $db --gpus 1 >> $log 2>&1
+  rc=$?; echo "== $tag sweep rc=$rc $((SECONDS - t0)) s"
+  python3 -c "import sqlite3; c = sqlite3.connect('$db'); c.execute('PRAGMA wal_checkpoint(TRUNCATE)'); c.close()"
+  [ $rc = 0 ] || { echo "stopped: $tag did not finish"; break; }
+  t0=$SECONDS
+  (cd bench && timeout ${BENCH_S:-120} python3 moe.py --db $db --served --served-routing row \
+    --batches 1,2,4,8,16,32,64 --routings $routing --prefetch-mib 0 --shared-sms 16 --tps $tp --fmts $fmt \
+    --model $model --out $OUT/served-$tag.json >> $log 2>&1)
+  echo "== $tag bench rc=$? $((SECONDS - t0)) s"
+done
+grep -E '"(trials|failed|problems_done|polish_passes|polish_changed|polish_untimed)"|^tp[0-9]' $log | cut -c1-400
+xz -T0 -c $db > $OUT/split.sqlite.xz
+python3 -m k3tune db export $db $OUT/new.sqlite --hardware H200 >> $log 2>&1; echo "export rc=$?"
