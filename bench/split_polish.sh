@@ -7,14 +7,17 @@
 #   SWEEP_S=170 bash bench/split_polish.sh mxfp4:16:uniform bf16:16:uniform
 # Writes $OUT/split.log (everything), $OUT/served-FMT-tpTP-ROUTING.json, $OUT/split.sqlite.xz (every trial) and
 # $OUT/new.sqlite (the export to ship after `k3tune db diff` / `db verify`). A sweep cut by its limit stops the rest
-# (its trials are kept: resume from split.sqlite.xz with START_DB=...).
+# (its trials are kept: START_DB=split.sqlite.xz resumes it, the first point then without a redo, the others with
+# one). SWEEP_S and BENCH_S may list one limit per point (the last one serves the rest), e.g. SWEEP_S="120 230".
 set -uo pipefail
 source .carry/cutedsl/unpack.sh || exit 1
 log=$OUT/split.log
 db=/tmp/split.sqlite
 if [ -n "${START_DB:-}" ]; then xz -dc "$START_DB" > $db || exit 1; else cp tuning_db/h200.sqlite $db; fi
 nvidia-smi --query-gpu=index,name,clocks.sm,temperature.gpu --format=csv >> $log
+sweep_s=(${SWEEP_S:-170}); bench_s=(${BENCH_S:-120}); i=0
 for point in "$@"; do
+  limit=${sweep_s[$i]:-${sweep_s[-1]}}; blimit=${bench_s[$i]:-${bench_s[-1]}}; i=$((i + 1))
   IFS=: read -r fmt tp routing <<< "$point"
   model=$([ "$fmt" = bf16 ] && echo kimi_k3_bf16_experts.json || echo kimi_k3_config.json)
   tag=$fmt-tp$tp-${routing%%:*}
@@ -22,16 +25,16 @@ for point in "$@"; do
   sed -e "s/^name = .*/name = \"h200_moe_split_$(echo $tag | tr - _)\"/" -e "s/^tp = .*/tp = [$tp]/" \
     -e "s/^routing = .*/routing = \"$routing\"/" -e "s/^config = .*/config = \"$model\"/" \
     configs/sweep_h200_moe_mxfp4_split.toml > $spec
-  if [ -z "${START_DB:-}" ]; then
+  if [ -z "${START_DB:-}" ] || [ $i -gt 1 ]; then  # a resumed first point is decided already
     python3 bench/redo_problems.py $db "moe.block[tp=$tp,%format=$fmt,routing=$routing]" >> $log 2>&1 || exit 1
   fi
   t0=$SECONDS
-  timeout ${SWEEP_S:-170} python3 bench/device_sweep.py --spec $spec --db $db --gpus 1 >> $log 2>&1
+  timeout $limit python3 bench/device_sweep.py --spec $spec --db $db --gpus 1 >> $log 2>&1
   rc=$?; echo "== $tag sweep rc=$rc $((SECONDS - t0)) s"
   python3 -c "import sqlite3; c = sqlite3.connect('$db'); c.execute('PRAGMA wal_checkpoint(TRUNCATE)'); c.close()"
   [ $rc = 0 ] || { echo "stopped: $tag did not finish"; break; }
   t0=$SECONDS
-  (cd bench && timeout ${BENCH_S:-120} python3 moe.py --db $db --served --served-routing row \
+  (cd bench && timeout $blimit python3 moe.py --db $db --served --served-routing row \
     --batches 1,2,4,8,16,32,64 --routings $routing --prefetch-mib 0 --shared-sms 16 --tps $tp --fmts $fmt \
     --model $model --out $OUT/served-$tag.json >> $log 2>&1)
   echo "== $tag bench rc=$? $((SECONDS - t0)) s"

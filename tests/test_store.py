@@ -14,7 +14,7 @@ from k3tune.errors import DatabaseError, SchemaError
 from k3tune.plan import hardware
 from k3tune.plan.problems import Problem
 from k3tune.store import db as store_db, inspect, records, transfer
-from k3tune.store.models import Backend, Trial, TrialStatus, Winner
+from k3tune.store.models import Backend, ProblemRow, Trial, TrialStatus, Winner
 
 DATA = Path(__file__).parent / "data"
 FP = hardware.simulated_fingerprint(hardware.spec("gb300"))
@@ -205,6 +205,40 @@ def test_export_merge_diff(tmp_path):
     assert (st.trials, st.trials_present, st.winners_added, st.winners_kept) == (0, 4, 0, 1)
     d = inspect.diff(b, a)
     assert d["counts"] == {"regression": 1}
+
+
+def test_merge_newer_joins_re_decisions_made_on_copies_of_one_database(tmp_path):
+    """s36: two problems re-decided on two copies of the shipped DB (one each). Merging by the faster median kept an
+    old winner wherever the re-decision's median (another day's run) was higher; --newer keeps the later decision and
+    leaves a winner both copies hold unchanged alone. A winner decided again in place is dated again."""
+    import time
+
+    other = Problem("kda.o_proj", "gemm", (("M", 2), ("N", 7168), ("K", 768)))
+    base, hw, pid, _ = _setup(tmp_path / "base.sqlite")
+    with base.session() as s:
+        pid2 = records.problem_ids(s, [other])[other]
+    _winner(base, hw, pid, 5.0)
+    _winner(base, hw, pid2, 7.0)
+    for name in ("a", "b"):
+        transfer.export(base, tmp_path / f"{name}.sqlite")
+    a, b = (store_db.open_db(tmp_path / f"{n}.sqlite") for n in ("a", "b"))
+    time.sleep(0.01)
+    _winner(a, hw, pid, 5.2, family="gemm.smallm")  # re-decided on copy a: slower this run, the newer decision
+    _winner(b, hw, pid2, 6.9, family="gemm.smallm")  # and the other problem on copy b
+    with a.session() as s:
+        assert s.scalar(select(Winner.created_at).where(Winner.problem_id == pid)) > \
+            s.scalar(select(Winner.created_at).where(Winner.problem_id == pid2))
+
+    def families(path):
+        with store_db.open_db(path).session() as s:
+            return {p: f for p, f in s.execute(select(ProblemRow.key, Winner.family).join(
+                Winner, Winner.problem_id == ProblemRow.id)).all()}
+
+    st = transfer.merge(tmp_path / "faster.sqlite", [a, b])
+    assert families(tmp_path / "faster.sqlite") == {PROBLEM.key: "gemm.cublas", other.key: "gemm.smallm"}
+    st = transfer.merge(tmp_path / "newer.sqlite", [a, b], newer=True)
+    assert families(tmp_path / "newer.sqlite") == {PROBLEM.key: "gemm.smallm", other.key: "gemm.smallm"}
+    assert (st.winners_added, st.winners_replaced, st.winners_kept) == (2, 1, 1)
 
 
 def test_winners_keep_their_timing_method_and_diff_says_where_it_differs(tmp_path):

@@ -118,19 +118,23 @@ def export(src: Annotated[str, typer.Argument(help="Database to export from.")],
 @app.command()
 def merge(dest: Annotated[str, typer.Argument(help="SQLite file to merge into (created if missing; replaced atomically).")],
           sources: Annotated[list[str], typer.Argument(help="Databases to merge in.")],
+          newer: Annotated[bool, typer.Option(help="A conflict keeps the winner decided last, not the faster "
+                                                   "measured: to join re-decisions of different problems, each "
+                                                   "made on a copy of one database.")] = False,
           json: JsonOption = False) -> None:
     """Merge databases tuned on several machines; a conflict keeps the faster measured winner, with provenance.
 
     Example: k3tune db merge all.sqlite node1.sqlite node2.sqlite
     """
     srcs = [_open(s, readonly=True) for s in sources]
-    st = transfer.merge(dest, srcs)
+    st = transfer.merge(dest, srcs, newer=newer)
     if json:
         print_json(vars(st))
     else:
         present = f" ({st.trials_present} already there)" if st.trials_present else ""
         console.print(f"merged {len(srcs)} databases into {escape(dest)}: {st.trials} trials added{present}, "
-                      f"{st.winners_added} winners added, {st.winners_replaced} replaced by faster ones, "
+                      f"{st.winners_added} winners added, {st.winners_replaced} replaced by "
+                      f"{'newer' if newer else 'faster'} ones, "
                       f"{st.winners_kept} kept")
 
 

@@ -149,12 +149,14 @@ def tried_keys(session: Session, hw_id: int, problem_ids: set[int], digests: dic
 
 
 def save_winner(session: Session, **values) -> None:
+    """Insert or replace the winner of (hardware, problem, op digest, backend); ``created_at`` is when it was decided,
+    so a winner decided again (a polish pass, a resumed sweep) is dated again (`db merge --newer` goes by it)."""
     key = {k: values[k] for k in ("hardware_id", "problem_id", "op_digest", "backend")}
     existing = session.scalar(select(Winner).where(*(getattr(Winner, k) == v for k, v in key.items())))
     if existing is None:
         session.add(Winner(**values))
     else:
-        for k, v in values.items():
+        for k, v in {"created_at": utcnow(), **values}.items():
             setattr(existing, k, v)
 
 

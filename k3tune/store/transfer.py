@@ -147,9 +147,10 @@ TRIAL_COLS = ("family", "family_digest", "variant", "params", "params_key", "rou
 
 
 def copy_records(src: Database, dst: Database, *, origin: str, trials: bool, hardware: str | None = None,
-                 keep: Callable[[str, str, str], bool] | None = None) -> CopyStats:
+                 keep: Callable[[str, str, str], bool] | None = None, newer: bool = False) -> CopyStats:
     """Copy winners (and optionally every trial) from src into dst. A winner conflicting with one already
-    in dst (same hardware, problem, op digest, backend) is resolved by measured time; provenance is kept."""
+    in dst (same hardware, problem, op digest, backend) is resolved by measured time, or with ``newer`` by when it
+    was decided (the later decision replaces, the same one is kept); provenance is kept."""
     stats = CopyStats()
     with src.session() as s, dst.session() as d:
         ids = _IdMap(s, d, origin)
@@ -166,7 +167,7 @@ def copy_records(src: Database, dst: Database, *, origin: str, trials: bool, har
             if cur is None:
                 d.add(Winner(**key, **values))
                 stats.winners_added += 1
-            elif w.median_us < cur.median_us:
+            elif (w.created_at > cur.created_at) if newer else (w.median_us < cur.median_us):
                 for k, v in values.items():
                     setattr(cur, k, v)
                 stats.winners_replaced += 1
@@ -235,8 +236,11 @@ def export(src: Database, dest: str | os.PathLike, *, hardware: str | None = Non
         return copy_records(src, out, origin=str(src.path or src.url), trials=False, hardware=hardware, keep=keep)
 
 
-def merge(dest: str | os.PathLike, sources: list[Database]) -> CopyStats:
-    """Merge every trial and winner of the sources into dest (created if missing), atomically."""
+def merge(dest: str | os.PathLike, sources: list[Database], newer: bool = False) -> CopyStats:
+    """Merge every trial and winner of the sources into dest (created if missing), atomically. A winner conflict
+    keeps the faster measured one, or with ``newer`` the one decided last: for re-decisions of disjoint problems,
+    each made on its own copy of one database (the faster rule would compare a re-decision's median with an older
+    run's, on another machine or day, and could keep the old winner)."""
     _refuse_onto(dest, sources)
     dest = Path(dest).resolve()
     total = CopyStats()
@@ -245,7 +249,7 @@ def merge(dest: str | os.PathLike, sources: list[Database]) -> CopyStats:
         Database(start, create=False).dispose()  # refuses a non-SQLite or wrong-schema target up front
     with atomic_sqlite(dest, start_from=start) as out:
         for src in sources:
-            st = copy_records(src, out, origin=str(src.path or src.url), trials=True)
+            st = copy_records(src, out, origin=str(src.path or src.url), trials=True, newer=newer)
             for f in ("trials", "trials_present", "winners_added", "winners_replaced", "winners_kept"):
                 setattr(total, f, getattr(total, f) + getattr(st, f))
     return total
