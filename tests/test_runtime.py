@@ -116,8 +116,27 @@ def test_stale_digest_and_out_of_space_winners_are_not_served(smoke_db, tmp_path
     assert sel.lookup("kda.qkvg_proj", 16, 8, 1).source == "heuristic default"
     assert sel.lookup("kda.o_proj", 16, 8, 1).family != "gemm.smallm" or \
         dict(sel.lookup("kda.o_proj", 16, 8, 1).params)["rows_per_cta"] != 3
-    assert any("stale" in w for w in sel.warnings)
+    assert [w for w in sel.warnings if "1 problems have only stale winners" in w], sel.warnings
     assert any("outside the declared space" in w for w in sel.warnings)
+
+
+def test_a_stale_row_beside_a_current_winner_is_superseded_not_warned_of(smoke_db, tmp_path):
+    """s36: a sweep's database keeps bench/redo_problems.py's marks (op digest "redo") after the redo decided those
+    problems; every load said "7 winners are stale ...: defaults serve them" while the new winners served them."""
+    path = tmp_path / "redone.sqlite"
+    src, dst = sqlite3.connect(smoke_db), sqlite3.connect(path)
+    src.backup(dst)
+    src.close()
+    cols = [r[1] for r in dst.execute("pragma table_info(winners)") if r[1] not in ("id", "op_digest")]
+    key = "kda.o_proj[M=16,N=7168,K=768]"
+    dst.execute(f"insert into winners ({', '.join(cols)}, op_digest) select {', '.join(cols)}, 'redo' from winners "
+                "where problem_id = (select id from problems where key = ?)", (key,))
+    dst.commit()
+    assert dst.execute("select count(*) from winners where op_digest = 'redo'").fetchone()[0] == 1
+    dst.close()
+    sel = Selector.load(path, simulated="gb300")
+    assert sel.lookup("kda.o_proj", 16, 8, 1).source != "heuristic default"
+    assert not [w for w in sel.warnings if "stale" in w], sel.warnings
 
 
 @pytest.mark.parametrize("args, msg", [

@@ -193,11 +193,12 @@ class Selector:
             self._warn(f"{path}: tuned under another driver/CUDA than {fp.driver}/{fp.cuda}; serving it anyway")
         backend = "simulated" if fp.simulated else "gpu"
         current = {op: op_digest(op, backend) for op in plans.OPS}
-        stale, refused = 0, 0
+        stale: set[str] = set()  # problem keys with a winner for another op digest
+        refused = 0
         lab = "simulated" if fp.simulated else "measured"
         for op, key, dims, digest, fam, params, median in rows:
             if op not in current or digest != current[op]:
-                stale += 1
+                stale.add(key)
                 continue
             try:
                 problem = plans.Problem(op, plans.OPS[op].kind, tuple(dims.items()))
@@ -207,8 +208,12 @@ class Selector:
                 log.debug("refusing stored winner %s: %s", key, e)
                 continue
             self._winners.setdefault(op, {})[key] = (fam, tuple(sorted(params.items())), median, lab, problem)
+        # a stale row beside a current winner of its problem is superseded (a sweep's database keeps the old row, e.g.
+        # bench/redo_problems.py's marks after the redo): only problems left with no current winner are worth a word
+        stale -= {k for by_key in self._winners.values() for k in by_key}
         if stale:
-            self._warn(f"{path}: {stale} winners are stale (kernel sources changed since tuning): re-tune; defaults serve them")
+            self._warn(f"{path}: {len(stale)} problems have only stale winners (kernel sources changed since tuning, or "
+                       "marked to be decided again): re-tune; defaults serve them")
         if refused:
             self._warn(f"{path}: refused {refused} winners whose parameters fall outside the declared space")
 
