@@ -36,7 +36,8 @@ else
   cp tuning_db/h200.sqlite /tmp/sweep.sqlite
 fi
 if [ -n "${REDO:-}" ]; then  # re-decide problems whose winners are current (a measuring change re-keys nothing)
-  python3 bench/redo_problems.py /tmp/sweep.sqlite "$REDO" || exit 1
+  IFS=";" read -ra pats <<< "$REDO"
+  python3 -m k3tune db redo /tmp/sweep.sqlite "${pats[@]}" || exit 1
 fi
 cache=$(mktemp -d)  # one kernel cache for every spec's workers
 limits=(${SWEEP_S:-240})

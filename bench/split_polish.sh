@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: re-decide MoE block winners of the shipped DB with every SM split of each winner tried ([search]
 # whole, configs/sweep_h200_moe_mxfp4_split.toml), then bench them as served. Each FMT:TP:ROUTING runs in turn into
-# one copy of tuning_db/h200.sqlite: redo (bench/redo_problems.py) that format, tp and routing's blocks, sweep them
+# one copy of tuning_db/h200.sqlite: redo (`k3tune db redo`) that format, tp and routing's blocks, sweep them
 # with the split spec set to them under a time limit, checkpoint the WAL, then bench/moe.py --served on the copy.
 # Usage (device tool, kind nvidia-h200, carry [".carry"]):
 #   SWEEP_S=170 bash bench/split_polish.sh mxfp4:16:uniform bf16:16:uniform
@@ -26,7 +26,7 @@ for point in "$@"; do
     -e "s/^routing = .*/routing = \"$routing\"/" -e "s/^config = .*/config = \"$model\"/" \
     configs/sweep_h200_moe_mxfp4_split.toml > $spec
   if [ -z "${START_DB:-}" ] || [ $i -gt 1 ]; then  # a resumed first point is decided already
-    python3 bench/redo_problems.py $db "moe.block[tp=$tp,%format=$fmt,routing=$routing]" >> $log 2>&1 || exit 1
+    python3 -m k3tune db redo $db "moe.block[tp=$tp,%format=$fmt,routing=$routing]" >> $log 2>&1 || exit 1
   fi
   t0=$SECONDS
   timeout $limit python3 bench/device_sweep.py --spec $spec --db $db --gpus 1 >> $log 2>&1

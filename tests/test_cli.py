@@ -310,6 +310,28 @@ def test_merge_reports_the_trials_it_added_and_diff_summarises_in_words(tmp_path
     assert "┃" not in out  # no empty table
 
 
+def test_db_redo_marks_winners_for_the_next_sweep_and_refuses_a_pattern_matching_nothing(tmp_path, capsys):
+    """`k3tune db redo` (was bench/redo_problems.py, which the sweep's own advice named though a pip install has no
+    bench/): the matching problems' winners marked, the next sweep decides exactly those again; a pattern matching
+    nothing, or a missing database, is one line and a non-zero exit, the file unchanged."""
+    import hashlib
+
+    db = _smoke_db(tmp_path / "a.sqlite", capsys)
+    before = hashlib.sha256(db.read_bytes()).hexdigest()
+    assert main(["db", "redo", str(db), "nope%"]) != 0
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "no problem" in err and "nope%" in err
+    assert hashlib.sha256(db.read_bytes()).hexdigest() == before
+    assert main(["db", "redo", str(tmp_path / "missing.sqlite"), "kda.o_proj[%"]) != 0
+    assert "database not found" in capsys.readouterr().err
+    assert main(["db", "redo", str(db), "kda.o_proj[%", "--json"]) == 0
+    n = json.loads(capsys.readouterr().out)["stale_winners"]
+    assert n > 0
+    assert main(["sweep", "--simulate", "gb300", "--spec", "smoke", "--db", str(db), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["tuned_now"] == n and out["already_done"] == out["problems"] - n
+
+
 def test_verify_against_another_spec_names_the_specs_the_database_was_swept_with(tmp_path, capsys):
     """`k3tune db verify tuning_db/h200.sqlite` checks the default spec's 1124 problems and says NOT OK (214 covered)
     with no hint that the database was swept with other specs; it now names them (its runs record their digests)."""

@@ -1039,20 +1039,21 @@ def test_whole_moves_set_one_knob_to_each_other_declared_value():
                for m in moves)
 
 
-def test_redo_problems_makes_the_next_sweep_decide_them_again_from_their_winners(tmp_path, monkeypatch):
-    """bench/redo_problems.py (for a change to how trials are timed, which re-keys no winner): on a real SQLite sweep,
+def test_redo_makes_the_next_sweep_decide_them_again_from_their_winners(tmp_path, monkeypatch):
+    """`k3tune db redo` (for a change to how trials are timed, which re-keys no winner): on a real SQLite sweep,
     the matching problems' winners turn stale, and the next sweep decides exactly those again (the rest stay done),
     with each old winner among its warm starts (s28: deleting them lost the warm starts). A second redo before that
-    sweep marks nothing twice; a pattern that matches nothing is a one-line exit that changes nothing."""
-    import importlib.util
+    sweep marks nothing twice; a pattern that matches nothing is a ConfigError that changes nothing."""
     import sqlite3
 
+    from k3tune.errors import ConfigError
     from k3tune.search import strategy
+    from k3tune.store import redo as redo_problems
 
-    root = Path(__file__).resolve().parent.parent
-    mod = importlib.util.spec_from_file_location("redo_problems", root / "bench" / "redo_problems.py")
-    redo_problems = importlib.util.module_from_spec(mod)
-    mod.loader.exec_module(redo_problems)
+    def redo(path, patterns, seeds_from=None):
+        return redo_problems.redo(store_db.open_db(str(path), create=False), patterns,
+                                  seeds_from and store_db.open_db(str(seeds_from), create=False))
+
     path = tmp_path / "sweep.sqlite"
     sp = spec.from_dict({"matrix": {"tp": [16], "batch": [1, 8], "ops": ["kda.o_proj", "mla.q_a"]},
                          "buckets": {"tokens": [1, 8], "batch": [1, 8], "query_len": [1]},
@@ -1061,10 +1062,10 @@ def test_redo_problems_makes_the_next_sweep_decide_them_again_from_their_winners
     query = "SELECT p.key, w.family, w.params, w.op_digest FROM winners w JOIN problems p ON p.id = w.problem_id"
     won = {k: (f, json.loads(prm)) for k, f, prm, _ in sqlite3.connect(path).execute(query)}
     assert first.problems_done == len(won) == 4
-    with pytest.raises(SystemExit, match="no problem .* like nope%"):
-        redo_problems.redo(str(path), ["nope%"])
-    assert redo_problems.redo(str(path), ["mla.q_a[%"]) == 2
-    assert redo_problems.redo(str(path), ["mla.q_a[%"]) == 0
+    with pytest.raises(ConfigError, match="no problem .* like nope%"):
+        redo(path, ["nope%"])
+    assert redo(path, ["mla.q_a[%"]) == 2
+    assert redo(path, ["mla.q_a[%"]) == 0
     stale = {k for k, _, _, d in sqlite3.connect(path).execute(query) if d == redo_problems.STALE}
     assert stale == {k for k in won if k.startswith("mla.q_a")}
     warm_of = {}
@@ -1085,7 +1086,7 @@ def test_redo_problems_makes_the_next_sweep_decide_them_again_from_their_winners
         src.backup(dst)  # (WAL mode: a file copy may miss committed pages)
     with sqlite3.connect(path) as c:
         c.execute("DELETE FROM winners WHERE problem_id IN (SELECT id FROM problems WHERE key LIKE 'mla.q_a[%')")
-    assert redo_problems.redo(str(path), ["mla.q_a[%"], seeds_from=str(old)) == 2
+    assert redo(path, ["mla.q_a[%"], seeds_from=old) == 2
     warm_of.clear()
     third = run_sweep(_opts(store_db.open_db(str(path)), sp))
     assert third.problems_done_before == 2 and third.problems_done == 2

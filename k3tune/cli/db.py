@@ -1,4 +1,4 @@
-"""`k3tune db ...`: inspect, verify, export, merge, diff and upgrade tuning databases."""
+"""`k3tune db ...`: inspect, verify, export, merge, diff, redo and upgrade tuning databases."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from k3tune.cli.common import ConfigOption, JsonOption, SpecOption, console, db_
 from k3tune.errors import ConfigError, DatabaseError
 from k3tune.plan import model as models, problems as plans, spec as specs
 from k3tune.store import db as store_db
-from k3tune.store import inspect, transfer
+from k3tune.store import inspect, redo as redos, transfer
 
 app = typer.Typer(no_args_is_help=True, help="Inspect and maintain tuning databases.")
 DbArg = Annotated[str | None, typer.Argument(help="SQLite path or SQLAlchemy URL (default: $K3TUNE_DB or ./k3tune.sqlite).")]
@@ -136,6 +136,25 @@ def merge(dest: Annotated[str, typer.Argument(help="SQLite file to merge into (c
                       f"{st.winners_added} winners added, {st.winners_replaced} replaced by "
                       f"{'newer' if newer else 'faster'} ones, "
                       f"{st.winners_kept} kept")
+
+
+@app.command()
+def redo(db: Annotated[str, typer.Argument(help="Database whose problems to decide again (a sweep's, or a copy of a shipped one).")],
+         patterns: Annotated[list[str], typer.Argument(help="SQL LIKE patterns on problem keys, e.g. 'moe.block[tp=8,%'.")],
+         seeds_from: Annotated[str | None, typer.Option(help="Another database whose current winners of those problems "
+                                                             "join as warm starts.")] = None,
+         json: JsonOption = False) -> None:
+    """Have the next sweep into DB decide the matching problems again, starting from their winners: after a change to
+    how trials are timed (which re-keys no winner), or before a polish spec on a winners-only database.
+
+    Example: k3tune db redo k3tune.sqlite 'moe.block[tp=16,%format=mxfp4%'
+    """
+    n = redos.redo(_open(db), patterns, _open(seeds_from, readonly=True) if seeds_from else None)
+    if json:
+        print_json({"stale_winners": n})
+    else:
+        console.print(f"{n} winners marked to decide again: the next sweep into {escape(db)} decides those problems, "
+                      "starting from them")
 
 
 @app.command()

@@ -131,7 +131,7 @@ def sweep(
     if stats.polish_untimed:
         console.print(f"[yellow]polish: {stats.polish_untimed} problems left alone[/]: their winners have no trial in "
                       "this database (a winners-only export, or timed another way), so nothing can be compared with "
-                      "them; `python bench/redo_problems.py DB PATTERN` has the next sweep decide them again")
+                      "them; `k3tune db redo DB PATTERN` has the next sweep decide them again")
     for r in stats.refused[:10]:
         console.print(f"[yellow]refused stored trial outside the declared space:[/] {escape(str(r))}")
     for op, why in stats.skipped_ops.items():

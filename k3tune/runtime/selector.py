@@ -209,7 +209,7 @@ class Selector:
                 continue
             self._winners.setdefault(op, {})[key] = (fam, tuple(sorted(params.items())), median, lab, problem)
         # a stale row beside a current winner of its problem is superseded (a sweep's database keeps the old row, e.g.
-        # bench/redo_problems.py's marks after the redo): only problems left with no current winner are worth a word
+        # `k3tune db redo`'s marks after the redo): only problems left with no current winner are worth a word
         stale -= {k for by_key in self._winners.values() for k in by_key}
         if stale:
             self._warn(f"{path}: {len(stale)} problems have only stale winners (kernel sources changed since tuning, or "

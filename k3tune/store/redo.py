@@ -1,22 +1,20 @@
-"""Mark the winners of the problems whose keys match as stale (and drop their claims), so the next sweep into this
-database decides them again: after a change to how trials are timed (k3tune/search/method.py), which re-keys no
-winner but makes the old trials unusable (a trial is reused only by the method that timed it). A stale winner stays
-as a kernel change leaves it: the sweep re-measures it first as a warm start, and the export leaves it out. (s28:
-deleting them instead cost the bf16 block sweeps every warm start, and TPE alone ended up to 43% slower.)
+"""Re-deciding problems whose winners are current: their winners are marked stale (and their claims dropped), so the
+next sweep into the database decides them again — after a change to how trials are timed (k3tune/search/method.py),
+which re-keys no winner but makes the old trials unusable (a trial is reused only by the method that timed it), or to
+run a polish spec (``[search] whole``) on a winners-only database, whose winners have no trials to compare with. A
+marked winner stays as a kernel change leaves a winner: the sweep re-measures it first as a warm start, and the export
+leaves it out. (s28: deleting them instead cost the bf16 block sweeps every warm start, and TPE alone ended up to 43%
+slower.) ``seeds_from`` adds, as further stale winners, those that another database (of the same hardware) holds for
+the matching problems: a redo that ran without its warm starts then resumes from its own trials and the old winners.
 
-    python bench/redo_problems.py /tmp/sweep.sqlite "moe.block[tp=8,%bf16%;moe.block[tp=16,%" [--seeds-from OLD.sqlite]
-
-``--seeds-from`` adds, as further stale winners, those that another database (of the same hardware) holds for the
-matching problems: a redo that ran without its warm starts then resumes from its own trials and the old winners.
+    k3tune db redo /tmp/sweep.sqlite "moe.block[tp=8,%bf16%" "moe.block[tp=16,%" [--seeds-from OLD.sqlite]
 """
 
 from __future__ import annotations
 
-import argparse
-
 from sqlalchemy import delete, or_, select
 
-from k3tune.errors import K3TuneError
+from k3tune.errors import ConfigError
 from k3tune.store.db import Database
 from k3tune.store.inspect import is_current
 from k3tune.store.models import Claim, Hardware, ProblemRow, Winner
@@ -26,14 +24,15 @@ STALE = "redo"  # the op-digest mark of a winner to decide again (a real digest 
 SEED = "redo-seed"  # the mark of a winner copied from another database as a warm start
 
 
-def redo(path: str, patterns: list[str], seeds_from: str | None = None) -> int:
+def redo(db: Database, patterns: list[str], seeds_from: Database | None = None) -> int:
     """Current winners made stale for problems whose key matches any of ``patterns`` (SQL LIKE); their claims go.
-    With ``seeds_from``, that database's current winners of those problems join them (stale, marked SEED)."""
+    With ``seeds_from``, that database's current winners of those problems join them (stale, marked SEED). Returns
+    how many stale winners the next sweep starts from; no matching problem is a ConfigError, and nothing changes."""
     seeds = _current_winners(seeds_from, patterns) if seeds_from else []
-    with Database(path, create=False).session() as s:
+    with db.session() as s:
         ids = {pid for pat in patterns for (pid,) in s.execute(select(ProblemRow.id).where(ProblemRow.key.like(pat)))}
         if not ids:
-            raise SystemExit(f"redo_problems: no problem in {path} has a key like {' or '.join(patterns)}")
+            raise ConfigError(f"no problem in {db.path or 'the database'} has a key like {' or '.join(patterns)}")
         rows = s.execute(select(Winner, ProblemRow.op).join(ProblemRow, ProblemRow.id == Winner.problem_id)
                          .where(Winner.problem_id.in_(ids))).all()
         current = [w for w, op in rows if is_current(op, w.op_digest, w.backend)]
@@ -48,38 +47,20 @@ def redo(path: str, patterns: list[str], seeds_from: str | None = None) -> int:
             if hw_digest in hw_of and key in pid_of:
                 where = dict(hardware_id=hw_of[hw_digest], problem_id=pid_of[key], backend=values["backend"])
                 s.execute(delete(Winner).filter_by(**where, op_digest=SEED))
-                s.add(Winner(**{**values, **where}, op_digest=SEED, origin=f"seed from {seeds_from}"[:300]))
+                s.add(Winner(**{**values, **where}, op_digest=SEED, origin=f"seed from {seeds_from.path}"[:300]))
                 n += 1
         s.execute(delete(Claim).where(Claim.problem_id.in_(ids)))
-        s.commit()
     return n
 
 
-def _current_winners(path: str, patterns: list[str]) -> list[tuple[str, str, dict]]:
+def _current_winners(db: Database, patterns: list[str]) -> list[tuple[str, str, dict]]:
     """(hardware digest, problem key, the winner's values) of the current winners whose key matches."""
     keep = ("backend", "family", "family_digest", "params", "median_us", "spread_us", "default_us", "ties", "trials",
             "method")
-    with Database(path, create=False).session() as s:
+    with db.session() as s:
         rows = s.execute(select(Winner, ProblemRow.key, ProblemRow.op, Hardware.digest)
                          .join(ProblemRow, ProblemRow.id == Winner.problem_id)
                          .join(Hardware, Hardware.id == Winner.hardware_id)
                          .where(or_(*(ProblemRow.key.like(p) for p in patterns)))).all()
         return [(hw, key, {k: getattr(w, k) for k in keep}) for w, key, op, hw in rows
                 if is_current(op, w.op_digest, w.backend)]
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("db")
-    ap.add_argument("patterns", help="';'-separated SQL LIKE patterns on problem keys")
-    ap.add_argument("--seeds-from", help="another database whose current winners of those problems join as seeds")
-    a = ap.parse_args()
-    try:
-        n = redo(a.db, [p for p in a.patterns.split(";") if p], a.seeds_from)
-    except K3TuneError as e:
-        raise SystemExit(f"redo_problems: {e}") from None
-    print(f"redo_problems: {n} stale winners to start from; the next sweep decides those problems again")
-
-
-if __name__ == "__main__":
-    main()
