@@ -153,8 +153,8 @@ def redo(db: Annotated[str, typer.Argument(help="Database whose problems to deci
     if json:
         print_json({"stale_winners": n})
     else:
-        console.print(f"{n} winners marked to decide again: the next sweep into {escape(db)} decides those problems, "
-                      "starting from them")
+        console.print(f"{n} winners marked to decide again: the next sweep into this database decides those "
+                      "problems, starting from them")
 
 
 @app.command()

@@ -47,7 +47,8 @@ def redo(db: Database, patterns: list[str], seeds_from: Database | None = None) 
             if hw_digest in hw_of and key in pid_of:
                 where = dict(hardware_id=hw_of[hw_digest], problem_id=pid_of[key], backend=values["backend"])
                 s.execute(delete(Winner).filter_by(**where, op_digest=SEED))
-                s.add(Winner(**{**values, **where}, op_digest=SEED, origin=f"seed from {seeds_from.path}"[:300]))
+                source = seeds_from.path or seeds_from.engine.url.render_as_string(hide_password=True)
+                s.add(Winner(**{**values, **where}, op_digest=SEED, origin=f"seed from {source}"[:300]))
                 n += 1
         s.execute(delete(Claim).where(Claim.problem_id.in_(ids)))
     return n
