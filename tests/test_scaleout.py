@@ -72,3 +72,26 @@ def test_selector_serves_from_postgres(pg_url):
     sel = Selector.load(pg_url, simulated="gb300")
     c = sel.lookup("kda.qkvg_proj", tp=16, batch=8, draft=1)
     assert c.source == "simulated" and c.median_us > 0 and not sel.warnings
+
+
+def test_redo_and_merge_newer_on_postgres(pg_url, tmp_path):
+    """`k3tune db redo` and `db merge --newer` on a PostgreSQL sweep database (a shared sweep's): the redo marks the
+    matching winners, the next sweep decides exactly those again; merging the re-decided database into a SQLite copy
+    taken before the redo keeps the newer winners."""
+    from k3tune.store import redo, transfer
+
+    db = store_db.open_db(pg_url)
+    opts = SweepOptions(spec.load("smoke"), model.load(), db, "simulated", 1, hw=hardware.spec("gb300"))
+    run_sweep(opts)
+    before = tmp_path / "before.sqlite"
+    transfer.export(db, before)
+    n = redo.redo(db, ["kda.o_proj[%"], seeds_from=store_db.open_db(before, create=False))
+    with db.session() as s:
+        origins = s.scalars(select(Winner.origin).where(Winner.op_digest == redo.SEED)).all()
+    assert n > 0 and origins and all(str(before) in o for o in origins)
+    again = run_sweep(opts)
+    assert again.problems_done == n // 2  # each problem's winner and its seed
+    after = tmp_path / "after.sqlite"
+    transfer.export(db, after)
+    st = transfer.merge(before, [store_db.open_db(after, create=False)], newer=True)
+    assert st.winners_replaced == n // 2
