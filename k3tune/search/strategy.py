@@ -327,6 +327,13 @@ class ProblemSearch:
                     self._dispatch((cand.family, cand.key, 1))
                     return cand
             if not self.in_flight:
+                # the remeasured best may be a twin, or another finalist, whose own features were never switched
+                # off: remeasure those twins too before deciding (each round has fewer features on, so it ends)
+                won = self._winner()
+                self.queue = [t for t in self._switched_off(won[0].candidate) if t is not None
+                              and (t.family, t.key, 1) not in self.results] if won else []
+                if self.queue:
+                    return self.next()
                 self.decision = self._decide()
         return None
 
@@ -388,9 +395,21 @@ class ProblemSearch:
         return sorted(ok, key=lambda r: r.median_us)[: self.settings.remeasure_top]
 
     def _decide(self) -> Decision | None:
+        chosen = self._winner()
+        if chosen is None:
+            return Decision("", {}, math.inf, 0.0, [], None, len(self.results))  # nothing ran correctly
+        win, ties, d = chosen
+        return Decision(win.candidate.family, win.candidate.params, win.median_us, win.spread_us,
+                        [{"family": r.candidate.family, "params": r.candidate.params, "median_us": r.median_us}
+                         for r in ties[1:]],
+                        d.median_us if d and d.status == "ok" else None, len(self.results))
+
+    def _winner(self) -> tuple[Result, list[Result], Result | None] | None:
+        """(the winner, its ties with the winner first, the safe baseline's result) on the remeasured numbers;
+        None when nothing remeasured ran correctly."""
         final = [r for k, r in self.results.items() if k[2] == 1 and r.status == "ok"]
         if not final:
-            return Decision("", {}, math.inf, 0.0, [], None, len(self.results))  # nothing ran correctly
+            return None
         best = min(final, key=lambda r: r.median_us)
 
         def tied(r: Result) -> bool:
@@ -411,7 +430,4 @@ class ProblemSearch:
             # a win within the margin is not one: serve the safe baseline, the faster kernels its ties
             ties = [base] + [r for r in ties if r is not base]
             win = base
-        return Decision(win.candidate.family, win.candidate.params, win.median_us, win.spread_us,
-                        [{"family": r.candidate.family, "params": r.candidate.params, "median_us": r.median_us}
-                         for r in ties[1:]],
-                        d.median_us if d and d.status == "ok" else None, len(self.results))
+        return win, [win] + [r for r in ties if r is not win], d
