@@ -30,8 +30,9 @@ GB300 = hardware.spec("gb300")
 SETTINGS = spec.SearchSettings(budget=16, patience=6, remeasure_top=3, samples=9, seed=0)
 
 
-def _drive(search: ProblemSearch, timing) -> int:
-    """Run a search to its decision against a timing function; returns the number of measurements."""
+def _drive(search: ProblemSearch, timing, spread=lambda cand, median: 0.01 * median) -> int:
+    """Run a search to its decision against a timing function (and a spread one); returns the number of
+    measurements."""
     n = 0
     while not search.finished:
         cand = search.next()
@@ -39,7 +40,7 @@ def _drive(search: ProblemSearch, timing) -> int:
             assert search.finished, "a search with nothing in flight must make progress"
             break
         median = timing(cand)
-        search.tell(cand, "ok" if median else "runtime_failed", median, 0.01 * (median or 0))
+        search.tell(cand, "ok" if median else "runtime_failed", median, spread(cand, median) if median else 0.0)
         n += 1
     return n
 
@@ -696,6 +697,27 @@ def test_an_sm_split_is_kept_only_where_it_beats_the_leaders_serial_twin():
             assert params_key(fam.canonical({**lead, **twin})) in again, twin
         assert (s.decision.params["shared_sms"] != 0) == expect_split, (gain, s.decision.params)
         assert s.decision.params["pdl"] == 1  # 3 us: beyond the noise
+
+
+def test_a_noisy_remeasure_does_not_make_a_much_slower_twin_a_tie():
+    """s37 (H200, MXFP4 TP8 b8): the remeasures of the leader and its twins came back with 7 us spreads on ~145 us,
+    so a twin with PDL off, 5% slower, counted as tied with the leader and the preference for features off chose
+    it. Spreads widen the tie window to at most TIE_CAP of the best: features off are preferred only among results
+    within it."""
+    from k3tune.search.strategy import TIE_CAP
+
+    p = Problem("moe.block", "moe_block", (("tp", 8), ("M", 8), ("experts", 896), ("top_k", 16),
+                                           ("latent", 3584), ("inter", 384), ("shared_inter", 768),
+                                           ("hidden", 7168), ("format", "mxfp4"), ("routing", "uniform")))
+    fam = family("moe.overlap")
+    s = ProblemSearch(p, [fam], spec.SearchSettings(budget=12, patience=12, remeasure_top=2, samples=9), seed=1)
+    _drive(s, lambda c: 100.0 + (5.0 if not c.params["pdl"] else 0.0) + (3.0 if not c.params["shared_sms"] else 0.0),
+           spread=lambda c, median: 7.0 if c.round else 0.3)
+    assert 5.0 / 100.0 > TIE_CAP
+    again = {json.loads(k[1])["pdl"] for k in s.results if k[2] == 1}
+    assert again == {0, 1}, "the leader's PDL twin was remeasured"
+    assert s.decision.params["pdl"] == 1 and s.decision.params["shared_sms"] != 0, s.decision.params
+    assert s.decision.median_us <= 100.0 * (1 + TIE_CAP)
 
 
 def _searched_without_polish(tmp_path, ops: list[str]):
