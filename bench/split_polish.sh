@@ -9,6 +9,7 @@
 # $OUT/new.sqlite (the export to ship after `k3tune db diff` / `db verify`). A sweep cut by its limit stops the rest
 # (its trials are kept: START_DB=split.sqlite.xz resumes it, the first point then without a redo, the others with
 # one). SWEEP_S and BENCH_S may list one limit per point (the last one serves the rest), e.g. SWEEP_S="120 230".
+# FMT:TP:ROUTING@M,M... redoes only those batch sizes' blocks (always, START_DB or not); the bench serves all of them.
 set -uo pipefail
 source .carry/cutedsl/unpack.sh || exit 1
 log=$OUT/split.log
@@ -18,6 +19,8 @@ nvidia-smi --query-gpu=index,name,clocks.sm,temperature.gpu --format=csv >> $log
 sweep_s=(${SWEEP_S:-170}); bench_s=(${BENCH_S:-120}); i=0
 for point in "$@"; do
   limit=${sweep_s[$i]:-${sweep_s[-1]}}; blimit=${bench_s[$i]:-${bench_s[-1]}}; i=$((i + 1))
+  batches=""
+  case $point in *@*) batches=${point#*@}; point=${point%@*};; esac
   IFS=: read -r fmt tp routing <<< "$point"
   model=$([ "$fmt" = bf16 ] && echo kimi_k3_bf16_experts.json || echo kimi_k3_config.json)
   tag=$fmt-tp$tp-${routing%%:*}
@@ -25,8 +28,11 @@ for point in "$@"; do
   sed -e "s/^name = .*/name = \"h200_moe_split_$(echo $tag | tr - _)\"/" -e "s/^tp = .*/tp = [$tp]/" \
     -e "s/^routing = .*/routing = \"$routing\"/" -e "s/^config = .*/config = \"$model\"/" \
     configs/sweep_h200_moe_mxfp4_split.toml > $spec
-  if [ -z "${START_DB:-}" ] || [ $i -gt 1 ]; then  # a resumed first point is decided already
-    python3 -m k3tune db redo $db "moe.block[tp=$tp,%format=$fmt,routing=$routing]" >> $log 2>&1 || exit 1
+  patterns=()
+  for m in ${batches//,/ }; do patterns+=("moe.block[tp=$tp,M=$m,%format=$fmt,routing=$routing]"); done
+  [ -z "$batches" ] && patterns=("moe.block[tp=$tp,%format=$fmt,routing=$routing]")
+  if [ -z "${START_DB:-}" ] || [ $i -gt 1 ] || [ -n "$batches" ]; then  # a resumed first point is decided already
+    python3 -m k3tune db redo $db "${patterns[@]}" >> $log 2>&1 || exit 1
   fi
   t0=$SECONDS
   timeout $limit python3 bench/device_sweep.py --spec $spec --db $db --gpus 1 >> $log 2>&1
