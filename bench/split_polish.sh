@@ -10,6 +10,7 @@
 # (its trials are kept: START_DB=split.sqlite.xz resumes it, the first point then without a redo, the others with
 # one). SWEEP_S and BENCH_S may list one limit per point (the last one serves the rest), e.g. SWEEP_S="120 230".
 # FMT:TP:ROUTING@M,M... redoes only those batch sizes' blocks (always, START_DB or not); the bench serves all of them.
+# GPUS=N sweeps on N GPUs (a multi-GPU kind; default 1); the bench runs on the first.
 set -uo pipefail
 source .carry/cutedsl/unpack.sh || exit 1
 log=$OUT/split.log
@@ -35,7 +36,7 @@ for point in "$@"; do
     python3 -m k3tune db redo $db "${patterns[@]}" >> $log 2>&1 || exit 1
   fi
   t0=$SECONDS
-  timeout $limit python3 bench/device_sweep.py --spec $spec --db $db --gpus 1 >> $log 2>&1
+  timeout $limit python3 bench/device_sweep.py --spec $spec --db $db --gpus ${GPUS:-1} >> $log 2>&1
   rc=$?; echo "== $tag sweep rc=$rc $((SECONDS - t0)) s"
   python3 -c "import sqlite3; c = sqlite3.connect('$db'); c.execute('PRAGMA wal_checkpoint(TRUNCATE)'); c.close()"
   [ $rc = 0 ] || { echo "stopped: $tag did not finish"; break; }
