@@ -163,9 +163,9 @@ def main() -> None:
         served = MoEBlock.serve(layers[0], sel, batch, comm=comm)
         prios = ["default"] + (["high"] if "high" in want else [])
         variants = [("served", None, p) for p in prios]
-        if served.ran["shared"].startswith("serial") and "split" in want:
-            variants += [(f"split{args.split}", args.split, p) for p in prios]
         serial = served.ran["shared"].startswith("serial")
+        if serial and "split" in want:
+            variants += [(f"split{args.split}", args.split, p) for p in prios]
         for fork in ("router", "tail"):
             if fork in want:
                 variants.append((f"{fork}{args.split if serial else ''}", args.split if serial else None, "default"))
