@@ -85,7 +85,11 @@ def test_redo_and_merge_newer_on_postgres(pg_url, tmp_path):
     run_sweep(opts)
     before = tmp_path / "before.sqlite"
     transfer.export(db, before)
-    n = redo.redo(db, ["kda.o_proj[%"], seeds_from=store_db.open_db(before, create=False))
+    seeds = store_db.open_db(before, readonly=True)  # as `k3tune db redo --seeds-from` opens it
+    try:
+        n = redo.redo(db, ["kda.o_proj[%"], seeds_from=seeds)
+    finally:  # an open handle would keep the merge below from replacing the file (CI, s37: "database is locked")
+        seeds.close()
     with db.session() as s:
         origins = s.scalars(select(Winner.origin).where(Winner.op_digest == redo.SEED)).all()
     assert n > 0 and origins and all(str(before) in o for o in origins)
@@ -93,5 +97,9 @@ def test_redo_and_merge_newer_on_postgres(pg_url, tmp_path):
     assert again.problems_done == n // 2  # each problem's winner and its seed
     after = tmp_path / "after.sqlite"
     transfer.export(db, after)
-    st = transfer.merge(before, [store_db.open_db(after, create=False)], newer=True)
+    source = store_db.open_db(after, readonly=True)
+    try:
+        st = transfer.merge(before, [source], newer=True)
+    finally:
+        source.close()
     assert st.winners_replaced == n // 2
