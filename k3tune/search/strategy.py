@@ -335,7 +335,7 @@ class ProblemSearch:
                               and (t.family, t.key, 1) not in self.results] if won else []
                 if self.queue:
                     return self.next()
-                self.decision = self._decide()
+                self.decision = self._decide(won)
         return None
 
     def _switched_off(self, cand: Candidate) -> list[Candidate | None]:
@@ -395,8 +395,8 @@ class ProblemSearch:
         ok = [r for k, r in self.results.items() if k[2] == 0 and r.status == "ok"]
         return sorted(ok, key=lambda r: r.median_us)[: self.settings.remeasure_top]
 
-    def _decide(self) -> Decision | None:
-        chosen = self._winner()
+    def _decide(self, chosen: tuple[Result, list[Result], Result | None] | None) -> Decision:
+        """The decision from ``_winner()``'s answer."""
         if chosen is None:
             return Decision("", {}, math.inf, 0.0, [], None, len(self.results))  # nothing ran correctly
         win, ties, d = chosen

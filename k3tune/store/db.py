@@ -143,6 +143,11 @@ class Database:
     def is_sqlite(self) -> bool:
         return self.engine.dialect.name == "sqlite"
 
+    @property
+    def name(self) -> str:
+        """The file's path, or the URL without its password: what messages and recorded origins may show."""
+        return str(self.path) if self.path is not None else self.engine.url.render_as_string(hide_password=True)
+
     def __repr__(self) -> str:
         return f"Database({self.engine.url.render_as_string(hide_password=True)})"
 

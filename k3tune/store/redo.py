@@ -43,12 +43,12 @@ def redo(db: Database, patterns: list[str], seeds_from: Database | None = None) 
         n = len(current)
         hw_of = {h.digest: h.id for h in s.scalars(select(Hardware))}
         pid_of = dict(s.execute(select(ProblemRow.key, ProblemRow.id).where(ProblemRow.id.in_(ids))).all())
+        origin = f"seed from {seeds_from.name}"[:300] if seeds_from else ""
         for hw_digest, key, values in seeds:
             if hw_digest in hw_of and key in pid_of:
                 where = dict(hardware_id=hw_of[hw_digest], problem_id=pid_of[key], backend=values["backend"])
                 s.execute(delete(Winner).filter_by(**where, op_digest=SEED))
-                source = seeds_from.path or seeds_from.engine.url.render_as_string(hide_password=True)
-                s.add(Winner(**{**values, **where}, op_digest=SEED, origin=f"seed from {source}"[:300]))
+                s.add(Winner(**{**values, **where}, op_digest=SEED, origin=origin))
                 n += 1
         s.execute(delete(Claim).where(Claim.problem_id.in_(ids)))
     return n
