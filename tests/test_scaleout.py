@@ -74,6 +74,30 @@ def test_selector_serves_from_postgres(pg_url):
     assert c.source == "simulated" and c.median_us > 0 and not sel.warnings
 
 
+def test_a_postgres_password_is_never_recorded_or_shown(pg_url, tmp_path):
+    """A shared sweep's URL may carry a password: the sweep records its command line in the run, an export or merge
+    records the source in every copied winner's origin and copies the runs, and `db show` names the database. None
+    may hold the password (a shipped database would carry it)."""
+    from k3tune.store import inspect, transfer
+    from k3tune.store.models import Run
+
+    secret = "s3cr3t-pw"
+    url = pg_url.replace("postgres@", f"postgres:{secret}@")  # the test server trusts any password
+    r = subprocess.run(_sweep_cmd(url), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-1500:]
+    assert secret not in r.stdout + r.stderr
+    db = store_db.open_db(url)
+    assert secret not in db.name and db.name.startswith("postgresql://postgres:***@")
+    transfer.export(db, tmp_path / "ship.sqlite")
+    transfer.merge(tmp_path / "all.sqlite", [db])
+    for got in (db, *(store_db.open_db(tmp_path / f, readonly=True) for f in ("ship.sqlite", "all.sqlite"))):
+        with got.session() as s:
+            recorded = [*s.scalars(select(Winner.origin)), *s.scalars(select(Run.command))]
+        got.close()
+        assert recorded and not any(secret in v for v in recorded), recorded
+    assert secret not in json.dumps(inspect.show(store_db.open_db(url, readonly=True)), default=str)
+
+
 def test_redo_and_merge_newer_on_postgres(pg_url, tmp_path):
     """`k3tune db redo` and `db merge --newer` on a PostgreSQL sweep database (a shared sweep's): the redo marks the
     matching winners, the next sweep decides exactly those again; merging the re-decided database into a SQLite copy

@@ -88,7 +88,9 @@ def sweep(
         raise ConfigError(f"{target}: tuning_db/ is read-only shipped data; sweep into another database and "
                           "`k3tune db export` it there")
     database = open_db(target)
-    command = "k3tune " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    # the run's record is copied into exports: a URL's password stays out of it
+    argv = [a.replace(target, database.name) for a in sys.argv[1:]] if database.path is None else sys.argv[1:]
+    command = "k3tune " + " ".join(shlex.quote(a) for a in argv)
     label = f"simulated {hw.key}" if hw else "measured"
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn(),
@@ -108,7 +110,7 @@ def sweep(
                                                plan=plan))
         finally:
             database.close()  # SQLite's WAL file folded into the database file
-    summary = {"database": str(database.path or database.url), "backend": label, "run_id": stats.run_id,
+    summary = {"database": database.name, "backend": label, "run_id": stats.run_id,
                "problems": stats.problems_total, "already_done": stats.problems_done_before,
                "tuned_now": stats.problems_done, "trials": stats.trials, "failed_trials": stats.failed,
                "reused_trials": stats.reused, "polished": stats.polished, "polish_changed": stats.polish_changed,

@@ -220,7 +220,7 @@ class Database:
         if rev == head:
             return
         if rev in known_revisions():
-            raise SchemaError(f"database schema {rev} is older than {head}: run `k3tune db upgrade {self.path or self.url}`")
+            raise SchemaError(f"database schema {rev} is older than {head}: run `k3tune db upgrade {self.name}`")
         raise newer_schema(rev)
 
     def migrate(self, revision: str = "head") -> None:
@@ -298,14 +298,14 @@ def open_for_serving(target: str | os.PathLike) -> tuple[Database, str]:
     try:
         rev = db.revision()
         if rev is None:
-            raise SchemaError(f"{db.path or db.url}: no k3tune schema")
+            raise SchemaError(f"{db.name}: no k3tune schema")
         if rev != head and rev not in known_revisions():
             raise newer_schema(rev)
     except DatabaseError:
         db.dispose()
         raise
-    note = "" if rev == head else (f"{db.path or db.url}: schema {rev} is older than {head}; its winners are served "
-                                   f"as they are (`k3tune db upgrade {db.path or db.url}` brings it up to date)")
+    note = "" if rev == head else (f"{db.name}: schema {rev} is older than {head}; its winners are served "
+                                   f"as they are (`k3tune db upgrade {db.name}` brings it up to date)")
     return db, note
 
 

@@ -36,7 +36,7 @@ def show(db: Database) -> dict:
                                  .group_by(ProblemRow.op)).all())
         methods = dict(s.execute(select(Winner.method, func.count()).group_by(Winner.method)).all())
         problems = s.scalar(select(func.count()).select_from(ProblemRow))
-    return {"database": str(db.path or db.url), "schema": db.revision(), "hardware": hw, "runs": runs,
+    return {"database": db.name, "schema": db.revision(), "hardware": hw, "runs": runs,
             "problems": problems, "trials": {k.value: v for k, v in status.items()},
             "winners_by_op": winners, "winners_by_method": {m or "unknown": n for m, n in methods.items()}}
 

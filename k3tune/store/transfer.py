@@ -233,7 +233,7 @@ def export(src: Database, dest: str | os.PathLike, *, hardware: str | None = Non
     if not force:
         _refuse_to_replace(dest)
     with atomic_sqlite(dest) as out:
-        return copy_records(src, out, origin=str(src.path or src.url), trials=False, hardware=hardware, keep=keep)
+        return copy_records(src, out, origin=src.name, trials=False, hardware=hardware, keep=keep)
 
 
 def merge(dest: str | os.PathLike, sources: list[Database], newer: bool = False) -> CopyStats:
@@ -249,7 +249,7 @@ def merge(dest: str | os.PathLike, sources: list[Database], newer: bool = False)
         Database(start, create=False).dispose()  # refuses a non-SQLite or wrong-schema target up front
     with atomic_sqlite(dest, start_from=start) as out:
         for src in sources:
-            st = copy_records(src, out, origin=str(src.path or src.url), trials=True, newer=newer)
+            st = copy_records(src, out, origin=src.name, trials=True, newer=newer)
             for f in ("trials", "trials_present", "winners_added", "winners_replaced", "winners_kept"):
                 setattr(total, f, getattr(total, f) + getattr(st, f))
     return total
