@@ -10,8 +10,9 @@ routed experts the rest (64 of the H200's 132 is the even split); prefetch 0 is 
 database's choice (whose ``routed_on`` may also leave the routed experts every SM), and the same knobs
 serial (served_serial) and on the even split (served_even); with --served-pdl, the same knobs with PDL forced
 off and on (served_pdl0, served_pdl1). The summary counts the SM split bar two ways: a served split that beats
-both (a served choice of 0 SMs is serial itself and counts as no split), and the served choice, split or serial,
-beating the even split without serial beating it.
+both (a served choice of 0 SMs is serial itself and counts as no split, and so does a plain side stream, ``shared_sms
+= "all"``, which splits no SMs), and the served choice, split or serial, beating the even split without serial
+beating it; ``served_overlap_wins_fraction`` counts a plain stream that beats both as well.
 
 Each path runs in a CUDA graph over ``--layers`` layers with distinct weights (decode reads them from HBM),
 after a warm-up; medians and IQRs of the per-layer time over ``--samples`` replays. Routing is imposed
@@ -224,7 +225,9 @@ def summarize(rows: list[dict], sms_list: list[int], pf_list: list[int], fmt: st
         serial, even = best_at.get(0), best_at.get(64)
         tuned = [t for t in best_at.values() if t is not None]
         served, s_serial, s_even = f"served_{fmt}", f"served_serial_{fmt}", f"served_even_{fmt}"
-        serial_served = "us" in r.get(served, {}) and r[served]["ran"].get("shared", "").startswith("serial")
+        shared_ran = r.get(served, {}).get("ran", {}).get("shared", "") if "us" in r.get(served, {}) else ""
+        serial_served = shared_ran.startswith("serial")
+        plain_served = "(plain" in shared_ran  # shared_sms "all": beside the routed experts with no SM partition
         # the tuned choice, split or serial, beats the even split and is not beaten by serial
         over_even = _beats(r, served, s_even)
         holds = None if over_even is None else over_even and (serial_served or not _beats(r, s_serial, served))
@@ -239,8 +242,13 @@ def summarize(rows: list[dict], sms_list: list[int], pf_list: list[int], fmt: st
                     # a served choice of 0 SMs is serial itself: no split to beat serial with (s26-r4 counted
                     # 4 such rows as wins on noise between two runs of identical knobs)
                     "served_is_serial": serial_served,
-                    "served_split_beats_serial_and_even": False if serial_served else _beats(r, served, s_serial,
-                                                                                             s_even),
+                    "served_is_plain": plain_served,
+                    # the bar's SM split: a green-context partition (a plain stream splits no SMs)
+                    "served_split_beats_serial_and_even": (False if serial_served or plain_served
+                                                           else _beats(r, served, s_serial, s_even)),
+                    # the served overlap, partition or plain stream
+                    "served_overlap_beats_serial_and_even": (False if serial_served
+                                                             else _beats(r, served, s_serial, s_even)),
                     "served_choice_holds": holds,
                     "split_beats_serial_and_even": (bool(split) and serial is not None and even is not None
                                                     and min(split) < min(serial, even)),
@@ -254,10 +262,14 @@ def summarize(rows: list[dict], sms_list: list[int], pf_list: list[int], fmt: st
                     "prefetch_gain": gains})
     n = len(out)
     served = [o["served_split_beats_serial_and_even"] for o in out if o["served_split_beats_serial_and_even"] is not None]
+    overlap = [o["served_overlap_beats_serial_and_even"] for o in out
+               if o["served_overlap_beats_serial_and_even"] is not None]
     held = [o["served_choice_holds"] for o in out if o["served_choice_holds"] is not None]
     return {"configs": n, "split_wins_fraction": sum(o["split_beats_serial_and_even"] for o in out) / n if n else None,
             "served_split_wins_fraction": sum(served) / len(served) if served else None,
+            "served_overlap_wins_fraction": sum(overlap) / len(overlap) if overlap else None,
             "served_serial_chosen": sum(bool(o["served_is_serial"]) for o in out),
+            "served_plain_chosen": sum(bool(o["served_is_plain"]) for o in out),
             "served_choice_holds_fraction": sum(held) / len(held) if held else None,
             "per_config": out}
 

@@ -1,4 +1,4 @@
-"""The shared experts beside the routed ones, measured several ways against the served block (the database's pick):
+"""The shared experts beside the routed ones, measured three ways against the served block (the database's pick):
 
 - ``high``: the same block whose shared-expert green-context stream was made at the device's greatest stream
   priority. Why (s35-r2 profiles): with ``routed_on = all`` the routed kernels may run on every SM, the shared
@@ -15,12 +15,10 @@
 - ``noshared``: the served block with its shared experts replaced by a zero tensor made once (no kernel): a bound,
   not a block — what the block would take if the shared experts cost nothing, so the most a better shared-expert
   schedule or kernel could win.
-- ``router``, ``tail``: where the shared experts' stream forks from the routed chain. The library forks it with the
-  block, so the shared GEMMs read HBM beside the router GEMM and the routed experts; HBM idles during the collective
-  stand-ins (4 us + bytes each) and routing. ``router`` forks right after the router GEMM (the shared experts beside
-  the gather stand-in and routing), ``tail`` right before the slot sum + norm (beside its stand-in and the
-  up-projection). On the served split, or on a ``--split``-SM split (routed on all) where the served block is serial.
-- ``stream``: the shared experts on a plain side stream (no green context: any SM), forked after the router GEMM.
+
+s37-r1 measured where the shared experts' stream forks (with the block, after the router GEMM, before the slot sum)
+and a plain side stream with variants of this script at 9ae47d4; the library now forks after the router GEMM and
+offers the plain stream as ``shared_sms = "all"``.
 
     cd bench && python3 shared_ab.py --points mxfp4:8:1,mxfp4:8:8,bf16:16:1 [--variants high,split,noshared]
                                      [--rounds 3] [--samples 15]
@@ -49,67 +47,6 @@ from k3tune.runtime.moe import BlockShape, EmulatedComm, MoEBlock, random_weight
 from k3tune.shipped import configs_dir
 
 _CACHES: dict[str, dict] = {"default": partition._CACHE, "high": {}}
-VARIANTS = ("high", "split", "noshared", "router", "tail", "stream")
-_FORKING: list = []  # the ForkedBlock whose step is being recorded (the tail hook finds it here)
-
-
-class ForkedBlock(MoEBlock):
-    """The block with its shared experts' stream forked at ``fork_at`` (router | tail) instead of at the start."""
-    fork_at = "router"
-
-    def __call__(self, x):
-        if self._side is None:
-            raise SystemExit("error: a forked variant needs a shared stream")
-        self._pending, main = x, torch.cuda.current_stream()
-        _FORKING.append(self)
-        try:
-            if self._routed is None:
-                up = self._routed_part(x)
-            else:
-                self._routed.wait_stream(main)
-                with torch.cuda.stream(self._routed):
-                    up = self._routed_part(x)
-                main.wait_stream(self._routed)
-        finally:
-            _FORKING.pop()
-        if self._pending is not None:
-            raise SystemExit(f"error: the {self.fork_at} fork point was never reached")
-        main.wait_stream(self._side)
-        if self._cache.get("prefetch") is not None:
-            main.wait_stream(self._cache["prefetch"][0])
-        return self.comm.all_reduce_add(self._shared_out, up, partial=True)
-
-    def fork(self) -> None:
-        """Start the shared experts on the side stream after what the current stream has queued."""
-        x, self._pending = self._pending, None
-        self._side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self._side):
-            self._shared_out = self._shared(x)
-
-    def hook(self, fork_at: str) -> ForkedBlock:
-        self.fork_at = fork_at
-        if fork_at == "router":
-            gemm = self._gemms["moe.router_latent"]
-
-            def router_then_fork(x):
-                y = gemm(x)
-                self.fork()
-                return y
-            self._gemms["moe.router_latent"] = router_then_fork
-        return self
-
-
-def _install_tail_hook() -> None:
-    """moe_experts.sum_norm (the slot sum + norm after the routed w2) forks a tail block's shared experts first."""
-    from k3tune.kernels import moe_experts
-
-    original = moe_experts.sum_norm
-
-    def sum_norm(*args, **kwargs):
-        if _FORKING and _FORKING[-1].fork_at == "tail":
-            _FORKING[-1].fork()
-        return original(*args, **kwargs)
-    moe_experts.sum_norm = sum_norm
 
 
 @contextlib.contextmanager
@@ -137,13 +74,9 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--db", default=None)
     ap.add_argument("--split", type=int, default=32, help="SMs for the forced split of a serial served block")
-    ap.add_argument("--variants", default="high,split,noshared", help="beside the served block: any of "
-                    f"{', '.join(VARIANTS)} (see the module doc)")
+    ap.add_argument("--variants", default="high,split,noshared", help="beside the served block: any of high, split, "
+                    "noshared (see the module doc)")
     args = ap.parse_args()
-    want = set(args.variants.split(",")) - {""}
-    if want - set(VARIANTS):
-        raise SystemExit(f"error: --variants: unknown {sorted(want - set(VARIANTS))}")
-    _install_tail_hook()
 
     sh = BlockShape.from_config(configs_dir() / "kimi_k3_config.json")
     bw = copy_bandwidth()
@@ -161,34 +94,24 @@ def main() -> None:
         floor = block_bytes(sh, tp, "tuned", fmt, len({e for r in ids for e in r}), batch) / bw * 1e6
         comm = EmulatedComm.for_target("gb300", tp)
         served = MoEBlock.serve(layers[0], sel, batch, comm=comm)
+        want = set(args.variants.split(",")) - {""}
+        if want - {"high", "split", "noshared"}:
+            raise SystemExit(f"error: --variants: unknown {sorted(want - {'high', 'split', 'noshared'})}")
         prios = ["default"] + (["high"] if "high" in want else [])
         variants = [("served", None, p) for p in prios]
-        serial = served.ran["shared"].startswith("serial")
-        if serial and "split" in want:
+        if served.ran["shared"].startswith("serial") and "split" in want:
             variants += [(f"split{args.split}", args.split, p) for p in prios]
-        for fork in ("router", "tail"):
-            if fork in want:
-                variants.append((f"{fork}{args.split if serial else ''}", args.split if serial else None, "default"))
-        if "stream" in want:
-            variants.append(("stream", "stream", "default"))
         if "noshared" in want:
             variants.append(("noshared", None, "default"))
         zeros = torch.zeros(batch, sh.hidden, device="cuda", dtype=torch.bfloat16)
         del served
         blocks, meds = {}, {}
         for name, sms, prio in variants:
-            kind = ForkedBlock if name.startswith(("router", "tail", "stream")) else MoEBlock
             with stream_priority(prio):
-                if sms == "stream":  # the served knobs, serial or not, with a plain side stream for the shared experts
-                    knobs = {**served_knobs(sel, tp, batch, 0), "shared_stream": torch.cuda.Stream()}
-                else:
-                    knobs = None if sms is None else served_knobs(sel, tp, batch, sms, routed_on="all")
-                blocks[name, prio] = [kind.serve(w, sel, batch, comm=comm) if knobs is None else
-                                      kind.build(w, "tuned", batch=batch, selector=sel, comm=comm, **knobs)
+                knobs = None if sms is None else served_knobs(sel, tp, batch, sms, routed_on="all")
+                blocks[name, prio] = [MoEBlock.serve(w, sel, batch, comm=comm) if knobs is None else
+                                      MoEBlock.build(w, "tuned", batch=batch, selector=sel, comm=comm, **knobs)
                                       for w in layers]
-            if kind is ForkedBlock:
-                fork = "tail" if name.startswith("tail") else "router"
-                blocks[name, prio] = [b.hook(fork) for b in blocks[name, prio]]
             for b in blocks[name, prio]:
                 b.force_top = top
                 if name == "noshared":

@@ -108,10 +108,43 @@ def test_shared_experts_in_a_green_context_partition():
         assert part.sms == 16
         w = random_weights(K3, 16, device="cuda", seed=5)
         blk = MoEBlock.build(w, "tuned", batch=8, selector=Selector.load(), shared_stream=part.stream)
-        assert blk.ran["shared"] == "side stream (green context, 16 SMs)"
+        assert blk.ran["shared"] == "side stream (green context, 16 SMs), forked after the router GEMM"
         _check(blk, w, 8)
     finally:
         part.close()
+
+
+def test_shared_experts_on_a_plain_stream_fork_after_the_router_gemm_match_and_capture():
+    """``shared_sms = "all"`` (a plain side stream, every SM) as a sweep builds it: the shared experts are started
+    by the routed chain right after the router GEMM (the order of the calls that queue them), and the block matches
+    the reference eagerly and replayed from a CUDA graph."""
+    import torch
+
+    from k3tune.kernels import family
+    from k3tune.plan.problems import Problem
+    from k3tune.runtime import Selector
+
+    p = Problem("moe.block", "moe_block", (("tp", 16), ("M", 8), ("experts", 896), ("top_k", 16), ("latent", 3584),
+                                           ("inter", 192), ("shared_inter", 384), ("hidden", 7168),
+                                           ("format", "bf16"), ("routing", "uniform")))
+    fam = family("moe.overlap")
+    cfg = fam.config_from_params(p, {**fam.default_config(p).params(), "shared_sms": "all"})
+    assert fam.valid(cfg, p)
+    w = random_weights(K3, 16, device="cuda", seed=7)
+    blk = MoEBlock.build(w, "tuned", batch=8, selector=Selector.load(), **fam.block_knobs(cfg))
+    assert blk.ran["shared"] == "side stream (plain, every SM), forked after the router GEMM"
+    assert blk.ran["routed"] == "the current stream (every SM)"
+    calls = []
+    router, shared = blk._gemms["moe.router_latent"], blk._shared
+    blk._gemms["moe.router_latent"] = lambda x: (calls.append("router"), router(x))[1]
+    blk._shared = lambda x: (calls.append("shared"), shared(x))[1]
+    x, eager = _check(blk, w, 8)
+    assert calls == ["router", "shared"]
+    graph, out = _captured(blk, x)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.allclose(out.float(), eager.float(), rtol=1e-2, atol=1e-2)
 
 
 def test_a_real_split_shared_on_16_sms_routed_on_the_rest_matches_and_captures():

@@ -366,7 +366,8 @@ def test_bench_json_is_rewritten_whole_or_not_at_all(tmp_path, monkeypatch):
 def test_bench_split_bar_counts_a_serial_choice_as_no_split(monkeypatch):
     """bench/moe.py's split bar: a served block whose choice is 0 SMs runs serial itself, so two runs of the same
     knobs must not count as a split beating serial on noise (s26-r4 counted four such rows); the choice still
-    holds where it beats the even split and serial does not beat it."""
+    holds where it beats the even split and serial does not beat it. A plain side stream splits no SMs: it counts
+    as an overlap that wins, apart from the splits."""
     import sys
     from pathlib import Path
 
@@ -384,14 +385,19 @@ def test_bench_split_bar_counts_a_serial_choice_as_no_split(monkeypatch):
 
     rows = [row(1, 49.8, 54.0, 60.0, "green context, 16 SMs"),       # a split, faster than both
             row(8, 155.0, 155.3, 180.0, "serial, after the routed experts"),  # serial chosen, "faster" on noise
-            row(16, 261.0, 259.0, 300.0, "green context, 24 SMs")]    # a split serial beats
+            row(16, 261.0, 259.0, 300.0, "green context, 24 SMs"),    # a split serial beats
+            row(2, 47.0, 50.0, 60.0, "side stream (plain, every SM), forked after the router GEMM")]
     out = summarize(rows, [16], [0], "bf16")
     per = {o["batch"]: o for o in out["per_config"]}
-    assert [per[b]["served_split_beats_serial_and_even"] for b in (1, 8, 16)] == [True, False, False]
-    assert [per[b]["served_is_serial"] for b in (1, 8, 16)] == [False, True, False]
-    assert [per[b]["served_choice_holds"] for b in (1, 8, 16)] == [True, True, False]
-    assert out["served_serial_chosen"] == 1 and out["served_split_wins_fraction"] == 1 / 3
-    assert out["served_choice_holds_fraction"] == 2 / 3
+    # a plain side stream that beats both is an overlap that wins, not an SM split
+    assert [per[b]["served_split_beats_serial_and_even"] for b in (1, 8, 16, 2)] == [True, False, False, False]
+    assert [per[b]["served_overlap_beats_serial_and_even"] for b in (1, 8, 16, 2)] == [True, False, False, True]
+    assert [per[b]["served_is_serial"] for b in (1, 8, 16, 2)] == [False, True, False, False]
+    assert [per[b]["served_is_plain"] for b in (1, 8, 16, 2)] == [False, False, False, True]
+    assert [per[b]["served_choice_holds"] for b in (1, 8, 16, 2)] == [True, True, False, True]
+    assert out["served_serial_chosen"] == 1 and out["served_split_wins_fraction"] == 1 / 4
+    assert out["served_plain_chosen"] == 1 and out["served_overlap_wins_fraction"] == 2 / 4
+    assert out["served_choice_holds_fraction"] == 3 / 4
 
 
 def test_timing_hold_bench_reads_its_problems_and_winners_from_the_database(monkeypatch):

@@ -6,7 +6,8 @@ experts run beside them on their own SMs; the TP all-reduce closes the block (em
 
 ``moe.stock`` is what a stock engine runs (everything serial, router replicated). ``moe.overlap`` is the
 tuned block: the routed-expert kernels' tiles (w13 rows/warps/unroll, w2 rows/warps), the SMs given to the
-shared experts (0 = serial after the routed experts; else a green-context partition of that many SMs) and
+shared experts (0 = serial after the routed experts; else a green-context partition of that many SMs, or "all": a
+plain side stream, every SM, s37-r1) and
 the L2 prefetch size (MiB of the latent up-projection pulled into L2 while routing leaves HBM idle; 0 = off).
 
 On a GPU both run through the MoE block executor (k3tune/runtime/moe.py), with bf16 or MXFP4 experts (MXFP4
@@ -144,6 +145,14 @@ def _partition(sms: int, rest: bool):
     return split.shared.stream, (split.rest.stream if rest else None)
 
 
+@functools.cache
+def _plain_stream():
+    """The shared experts' side stream when they are not confined to a partition (one per worker process)."""
+    from k3tune.runtime.partition import plain_stream
+
+    return plain_stream()
+
+
 @dataclass(frozen=True)
 class MoeStockConfig(KernelConfig):
     pass
@@ -182,7 +191,7 @@ class MoeOverlapConfig(KernelConfig):
     w2_unroll: int = 1
     w2_lanes: int = 8  # lanes sharing a w2 row (its K is 192-384: 24-48 vectors)
     group: int = 1  # tokens of one expert per work item (its weight tile read once for them)
-    shared_sms: int = 0
+    shared_sms: int | str = 0  # 0: serial; SMs of a green-context partition; "all": a plain side stream (every SM)
     routed_on: str = "all"  # with shared_sms > 0: "all" SMs (only the shared experts are confined) or the "rest"
     prefetch_mib: int = 0
     experts_kernel: str = "cuda_core"  # or "tensor_core" (moe_experts_tc: mma.sync; MXFP4 needs it)
@@ -238,7 +247,9 @@ class MoeOverlap(_BlockOnGpu, KernelFamily):
             "w2_unroll": (1, 2),
             "w2_lanes": (4, 8, 16, 32),
             "group": (1, 2, 4, 8, 16, 32),  # tokens per work item (16, 32: the tensor-core kernels' hot experts)
-            "shared_sms": (0, 8, 16, 24, 32, 40, 48, 64),  # 64 of an H200's 132 is the even split
+            # 64 of an H200's 132 is the even split; "all": a plain side stream, no partition (s37-r1: at MXFP4 TP8
+            # b1/b4/b64 and TP16 b2 1-6% faster than the served block, at TP16 b4 and bf16 TP16 b8 5-8% slower)
+            "shared_sms": (0, 8, 16, 24, 32, 40, 48, 64, "all"),
             # the routed experts on every SM beside the confined shared experts, or on the SMs they leave
             "routed_on": ("all", "rest"),
             "prefetch_mib": (0, 4, 8, 16, 32),
@@ -255,7 +266,7 @@ class MoeOverlap(_BlockOnGpu, KernelFamily):
         base = MoeOverlapConfig()
         ignored = self._TC_KNOBS if params.get("experts_kernel") == "cuda_core" else self._CC_KNOBS
         out = {**params, **{k: getattr(base, k) for k in ignored if k in params}}
-        if out.get("shared_sms") == 0:
+        if out.get("shared_sms") in (0, "all"):  # nothing to split, or no partition to leave
             out["routed_on"] = "all"
         return out
 
@@ -263,8 +274,8 @@ class MoeOverlap(_BlockOnGpu, KernelFamily):
         # registers of a lane's load batch (16-byte vectors = 4 registers: weight rows and the item's tokens)
         # and its accumulators (rows x tokens): keep clear of spills; an item never holds more than M tokens
         p = cfg.group
-        if cfg.shared_sms == 0 and cfg.routed_on != "all":
-            return False  # serial: nothing to split
+        if cfg.shared_sms in (0, "all") and cfg.routed_on != "all":
+            return False  # serial, or a plain stream: nothing to split
         if problem["format"] != "bf16" and cfg.experts_kernel != "tensor_core":
             return False  # MXFP4 experts: only the tensor-core kernels dequantise in registers
         if cfg.experts_kernel == "tensor_core":  # items of up to 8, 16 or 32 tokens (1, 2 or 4 MMA N tiles)
@@ -318,7 +329,10 @@ class MoeOverlap(_BlockOnGpu, KernelFamily):
         experts = ((*self._tc_cfgs(cfg), cfg.group) if cfg.experts_kernel == "tensor_core" else
                    (ExpertKernelConfig(cfg.w13_rows, cfg.w13_warps, cfg.w13_unroll),
                     ExpertKernelConfig(cfg.w2_rows, cfg.w2_warps, cfg.w2_unroll, cfg.w2_lanes), cfg.group))
-        shared, routed = _partition(cfg.shared_sms, cfg.routed_on == "rest") if cfg.shared_sms else (None, None)
+        if cfg.shared_sms == "all":
+            shared, routed = _plain_stream(), None
+        else:
+            shared, routed = _partition(cfg.shared_sms, cfg.routed_on == "rest") if cfg.shared_sms else (None, None)
         return {"experts_cfg": experts, "shared_stream": shared, "routed_stream": routed,
                 "prefetch_mib": cfg.prefetch_mib, "pdl": cfg.pdl}
 
@@ -330,15 +344,16 @@ class MoeOverlap(_BlockOnGpu, KernelFamily):
         gather = 3.0 + m * (e + lat) * 2 / (hw.nvlink_gbps * 1e9) * 1e6
         routing = 2 * hw.graph_launch_us
         n_tiles = math.ceil(problem["inter"] / cfg.w13_rows)
-        routed_sms = sms - cfg.shared_sms if cfg.routed_on == "rest" else sms
+        shared_sms = sms if cfg.shared_sms == "all" else cfg.shared_sms
+        routed_sms = sms - shared_sms if cfg.routed_on == "rest" else sms
         experts = Work(hbm_bytes=expert_bytes(problem), flops=2.0 * m * problem["top_k"] * lat * problem["inter"] * 3,
                        ctas=int(m * problem["top_k"] * n_tiles), inflight_bytes_per_cta=cfg.w13_warps * 32 * 16 * 2 *
                        cfg.w13_rows * cfg.w13_unroll, tensor_cores=False, launches=4, sm_limit=routed_sms,
                        ctas_per_sm=max(1, 16 // cfg.w13_warps), extra_us=0.02 * cfg.w2_rows / cfg.w2_warps)
         up = _gemm_work(m, hid, lat // tp, 112, 16384, True, launches=2, sm_limit=routed_sms)
         routed = roofline_us(experts, hw) + roofline_us(up, hw)
-        shared_w = [_gemm_work(m, 2 * sh // 1, hid, 96, 16384, True, sm_limit=cfg.shared_sms or sms),
-                    _gemm_work(m, hid, sh, 56, 16384, True, sm_limit=cfg.shared_sms or sms)]
+        shared_w = [_gemm_work(m, 2 * sh // 1, hid, 96, 16384, True, sm_limit=shared_sms or sms),
+                    _gemm_work(m, hid, sh, 56, 16384, True, sm_limit=shared_sms or sms)]
         shared = sum(roofline_us(w, hw) for w in shared_w)
         if cfg.shared_sms == 0:
             body = routed + shared

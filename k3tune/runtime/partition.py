@@ -42,6 +42,18 @@ class SmPartition:
             self._ctx = None
 
 
+def plain_stream(device: int = 0):
+    """A non-blocking torch stream on the primary context: the shared experts beside the routed ones on every SM
+    (no partition), labelled as such."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise HardwareError("a side stream needs a CUDA GPU")
+    stream = torch.cuda.Stream(device=device)
+    stream.k3tune_label = "(plain, every SM)"
+    return stream
+
+
 def green_partition(n_sms: int, device: int = 0) -> SmPartition:
     """A green context of ``n_sms`` SMs (a multiple of 8) and a non-blocking torch stream on it."""
     return green_split(n_sms, device, rest=False).shared
