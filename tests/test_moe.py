@@ -244,6 +244,7 @@ def test_tensor_core_expert_kernels_refuse_what_they_cannot_run():
 def test_the_block_search_never_measures_one_kernel_under_two_names():
     """Knobs of the expert kernel that does not run are fixed (CUDA-core knobs under the tensor-core kernel and
     the reverse; routed_on when serial), so two TPE samples differing only there are one candidate."""
+    from k3tune.errors import CannotImplement
     from k3tune.kernels import family
     from k3tune.plan.problems import Problem
 
@@ -258,6 +259,37 @@ def test_the_block_search_never_measures_one_kernel_under_two_names():
     tc = {**a, "experts_kernel": "tensor_core"}
     assert fam.canonical({**tc, "w13_rows": 8}) == fam.canonical(tc)
     assert fam.valid(fam.config_from_params(p, fam.canonical(b)), p)
+    # a plain side stream ("all") leaves no SMs to confine the routed experts to: routed_on is fixed there too
+    plain = {**a, "shared_sms": "all"}
+    assert fam.canonical({**plain, "routed_on": "rest"}) == fam.canonical(plain)
+    with pytest.raises(CannotImplement, match="not valid"):
+        fam.config_from_params(p, {**plain, "routed_on": "rest"})
+    assert fam.valid(fam.config_from_params(p, fam.canonical(plain)), p)
+
+
+def test_a_plain_side_stream_is_a_value_of_the_shared_sm_knob():
+    """``shared_sms = "all"``: declared beside the partition sizes and serial, simulated as the shared experts
+    beside the routed ones on every SM, and on a machine without a GPU a clear hardware error, not a serial run."""
+    from k3tune.errors import HardwareError
+    from k3tune.kernels import family
+    from k3tune.plan.hardware import spec
+    from k3tune.plan.problems import Problem
+    from k3tune.search.simulate import roofline_us
+
+    fam = family("moe.overlap")
+    p = Problem("moe.block", "moe_block", (("tp", 8), ("M", 2), ("experts", 896), ("top_k", 16), ("latent", 3584),
+                                           ("inter", 384), ("shared_inter", 768), ("hidden", 7168),
+                                           ("format", "mxfp4"), ("routing", "uniform")))
+    assert fam.space(p)["shared_sms"][0] == 0 and "all" in fam.space(p)["shared_sms"]
+    base = fam.default_config(p)
+    plain, serial = (fam.config_from_params(p, fam.canonical({**base.params(), "shared_sms": v})) for v in ("all", 0))
+    hw = spec("gb300")
+    assert 0 < fam.simulate_us(p, plain, hw, roofline_us) < fam.simulate_us(p, serial, hw, roofline_us)
+    import torch
+
+    if not torch.cuda.is_available():
+        with pytest.raises(HardwareError, match="CUDA GPU"):
+            fam.block_knobs(plain)
 
 
 def test_every_trial_of_a_block_problem_routes_the_same_tokens_to_the_same_experts():
