@@ -114,6 +114,28 @@ def test_shared_experts_in_a_green_context_partition():
         part.close()
 
 
+def test_partitions_and_side_streams_are_made_on_the_current_device():
+    """A TP rank sets its own device (bench/moe_group.py: torch.cuda.set_device(rank)); the block's green contexts
+    and plain side stream must be made there, not on device 0, or its shared experts would run on another GPU."""
+    import torch
+
+    from k3tune.runtime.partition import plain_stream, shared_partition
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs (a multi-GPU device kind)")
+    with torch.cuda.device(1):
+        split, plain = shared_partition(16), plain_stream()
+        assert split.shared.stream.device == torch.device("cuda", 1) == split.rest.stream.device == plain.device
+        x = torch.ones(1024, device="cuda:1")
+        for s in (split.shared.stream, plain):
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                y = x * 2
+            torch.cuda.current_stream().wait_stream(s)
+            assert torch.equal(y, torch.full_like(x, 2.0))
+    assert shared_partition(16).shared.stream.device == torch.device("cuda", 0)
+
+
 def test_shared_experts_on_a_plain_stream_fork_after_the_router_gemm_match_and_capture():
     """``shared_sms = "all"`` (a plain side stream, every SM) as a sweep builds it: the shared experts are started
     by the routed chain right after the router GEMM (the order of the calls that queue them), and the block matches

@@ -137,20 +137,12 @@ def _selector():
 
 
 def _partition(sms: int, rest: bool):
-    """(shared experts' stream, routed experts' stream or None): the device's SMs split ``sms`` / the rest,
+    """(shared experts' stream, routed experts' stream or None): the current device's SMs split ``sms`` / the rest,
     the rest on its own green context only when the routed experts are confined to it."""
     from k3tune.runtime.partition import shared_partition
 
     split = shared_partition(sms, rest=rest)
     return split.shared.stream, (split.rest.stream if rest else None)
-
-
-@functools.cache
-def _plain_stream():
-    """The shared experts' side stream when they are not confined to a partition (one per worker process)."""
-    from k3tune.runtime.partition import plain_stream
-
-    return plain_stream()
 
 
 @dataclass(frozen=True)
@@ -330,7 +322,9 @@ class MoeOverlap(_BlockOnGpu, KernelFamily):
                    (ExpertKernelConfig(cfg.w13_rows, cfg.w13_warps, cfg.w13_unroll),
                     ExpertKernelConfig(cfg.w2_rows, cfg.w2_warps, cfg.w2_unroll, cfg.w2_lanes), cfg.group))
         if cfg.shared_sms == "all":
-            shared, routed = _plain_stream(), None
+            from k3tune.runtime.partition import plain_stream
+
+            shared, routed = plain_stream(), None
         else:
             shared, routed = _partition(cfg.shared_sms, cfg.routed_on == "rest") if cfg.shared_sms else (None, None)
         return {"experts_cfg": experts, "shared_stream": shared, "routed_stream": routed,

@@ -4,6 +4,8 @@ ones, each with a torch stream.
 
 Hopper hands out SM groups in multiples of 8 (at least 8); Blackwell's granularity is read from the device.
 The partition lives as long as the returned object; kernels launched on its stream run only on its SMs.
+``device`` None (the default everywhere) is torch's current device: a TP rank that set its own device gets its
+partitions there, not on device 0.
 """
 
 from __future__ import annotations
@@ -42,19 +44,30 @@ class SmPartition:
             self._ctx = None
 
 
-def plain_stream(device: int = 0):
-    """A non-blocking torch stream on the primary context: the shared experts beside the routed ones on every SM
-    (no partition), labelled as such."""
+def _device(device: int | None) -> int:
     import torch
 
     if not torch.cuda.is_available():
-        raise HardwareError("a side stream needs a CUDA GPU")
-    stream = torch.cuda.Stream(device=device)
-    stream.k3tune_label = "(plain, every SM)"
-    return stream
+        raise HardwareError("SM partitions and side streams need a CUDA GPU")
+    return torch.cuda.current_device() if device is None else device
 
 
-def green_partition(n_sms: int, device: int = 0) -> SmPartition:
+_PLAIN: dict[int, object] = {}
+
+
+def plain_stream(device: int | None = None):
+    """A non-blocking torch stream on the primary context, one per device for the life of the process: the shared
+    experts beside the routed ones on every SM (no partition), labelled as such."""
+    import torch
+
+    device = _device(device)
+    if device not in _PLAIN:
+        _PLAIN[device] = torch.cuda.Stream(device=device)
+        _PLAIN[device].k3tune_label = "(plain, every SM)"
+    return _PLAIN[device]
+
+
+def green_partition(n_sms: int, device: int | None = None) -> SmPartition:
     """A green context of ``n_sms`` SMs (a multiple of 8) and a non-blocking torch stream on it."""
     return green_split(n_sms, device, rest=False).shared
 
@@ -70,7 +83,7 @@ class SmSplit:
             self.rest.close()
 
 
-def green_split(n_sms: int, device: int = 0, rest: bool = True) -> SmSplit:
+def green_split(n_sms: int, device: int | None = None, rest: bool = True) -> SmSplit:
     """The device's SMs split in two green contexts, ``n_sms`` (a multiple of 8) and the rest, each with a
     non-blocking torch stream: kernels on one stream never run on the other's SMs."""
     import torch
@@ -78,8 +91,7 @@ def green_split(n_sms: int, device: int = 0, rest: bool = True) -> SmSplit:
 
     if n_sms <= 0 or n_sms % SM_GRANULE:
         raise ConfigError(f"an SM partition needs a positive multiple of {SM_GRANULE} SMs, got {n_sms}")
-    if not torch.cuda.is_available():
-        raise HardwareError("SM partitions need a CUDA GPU")
+    device = _device(device)
     total = torch.cuda.get_device_properties(device).multi_processor_count
     if n_sms >= total:
         raise ConfigError(f"an SM partition of {n_sms} SMs leaves nothing of the {total} SMs for the rest")
@@ -111,10 +123,11 @@ _CACHE: dict[tuple[int, int], SmSplit] = {}
 _SUPERSEDED: list[SmSplit] = []  # kept open: blocks built on them (and their captured graphs) still use them
 
 
-def shared_partition(n_sms: int, device: int = 0, rest: bool = True) -> SmSplit:
+def shared_partition(n_sms: int, device: int | None = None, rest: bool = True) -> SmSplit:
     """One split per (size, device) for the life of the process: green contexts are not free to make. The
     shared experts run on ``.shared``, the routed experts on ``.rest`` (made only when ``rest``: a block whose
     routed experts keep every SM needs no second context; a split made with it serves both)."""
+    device = _device(device)
     have = _CACHE.get((n_sms, device))
     if have is None or (rest and have.rest is None):
         if have is not None:
