@@ -124,9 +124,9 @@ def test_partitions_and_side_streams_are_made_on_the_current_device():
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs (a multi-GPU device kind)")
     with torch.cuda.device(1):
+        x = torch.ones(1024, device="cuda:1")  # as a rank's weights are, before its blocks are built
         split, plain = shared_partition(16), plain_stream()
         assert split.shared.stream.device == torch.device("cuda", 1) == split.rest.stream.device == plain.device
-        x = torch.ones(1024, device="cuda:1")
         for s in (split.shared.stream, plain):
             s.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(s):
