@@ -42,7 +42,6 @@ def _rank(rank: int, args, port: int, out: str) -> None:
     gpu = args.device == "cuda"
     if gpu:
         torch.cuda.set_device(rank)
-        _partitions_on_the_current_device()
         dist.init_process_group("nccl", rank=rank, world_size=args.gpus, device_id=torch.device("cuda", rank))
     else:
         torch.set_num_threads(1)
@@ -53,17 +52,6 @@ def _rank(rank: int, args, port: int, out: str) -> None:
             Path(out).write_text(json.dumps({"ranks": args.gpus, "device": args.device, "rows": rows}, indent=1))
     finally:
         dist.destroy_process_group()
-
-
-def _partitions_on_the_current_device() -> None:
-    """The served blocks' SM splits on this rank's GPU: main's k3tune.runtime.partition makes them on device 0 unless
-    told otherwise (branch s37-shared-fork defaults to the current device; that file is in every block winner's key,
-    so main keeps it until the branch's re-swept winners merge, and this goes with it)."""
-    from k3tune.runtime import partition
-
-    made_by = partition.shared_partition
-    partition.shared_partition = lambda n, device=None, rest=True: made_by(
-        n, torch.cuda.current_device() if device is None else device, rest)
 
 
 def run(rank: int, args, gpu: bool) -> list[dict]:
