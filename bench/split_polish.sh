@@ -8,7 +8,8 @@
 # Writes $OUT/split.log (everything), $OUT/served-FMT-tpTP-ROUTING.json, $OUT/split.sqlite.xz (every trial) and
 # $OUT/new.sqlite (the export to ship after `k3tune db diff` / `db verify`). A sweep cut by its limit stops the rest
 # (its trials are kept: START_DB=split.sqlite.xz resumes it, the first point then without a redo, the others with
-# one). SWEEP_S and BENCH_S may list one limit per point (the last one serves the rest), e.g. SWEEP_S="120 230".
+# one). SWEEP_S and BENCH_S may list one limit per point (the last one serves the rest), e.g. SWEEP_S="120 230";
+# a BENCH_S of 0 skips that point's bench.
 # FMT:TP:ROUTING@M,M... redoes only those batch sizes' blocks (always, START_DB or not); the bench serves all of them.
 # GPUS=N sweeps on N GPUs (a multi-GPU kind; default 1); the bench runs on the first.
 set -uo pipefail
@@ -40,6 +41,7 @@ for point in "$@"; do
   rc=$?; echo "== $tag sweep rc=$rc $((SECONDS - t0)) s"
   python3 -c "import sqlite3; c = sqlite3.connect('$db'); c.execute('PRAGMA wal_checkpoint(TRUNCATE)'); c.close()"
   [ $rc = 0 ] || { echo "stopped: $tag did not finish"; break; }
+  [ "$blimit" = 0 ] && continue  # BENCH_S 0: decide only (bench later with bench/moe.py --served on the export)
   t0=$SECONDS
   (cd bench && timeout $blimit python3 moe.py --db $db --served --served-routing row \
     --batches 1,2,4,8,16,32,64 --routings $routing --prefetch-mib 0 --shared-sms 16 --tps $tp --fmts $fmt \
