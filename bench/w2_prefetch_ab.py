@@ -28,6 +28,7 @@ from gemm import copy_bandwidth  # bench/gemm.py (this script runs from bench/)
 from moe import block_bytes, time_blocks
 
 import k3tune.runtime.moe as rmoe
+from k3tune.kernels import l2_prefetch
 from k3tune.plan import model as models
 from k3tune.plan import routing as routings
 from k3tune.runtime import Selector
@@ -108,8 +109,8 @@ class _RouteThenPrefetch:
     """Stands for ``k3tune.runtime.moe.moe_experts`` inside one block's ``_cute_routed``: ``route`` also forks the
     w2 prefetch onto the block's side stream; everything else is the module's."""
 
-    def __init__(self, mod, blk, cap: int):
-        self._mod, self._blk, self._cap = mod, blk, cap
+    def __init__(self, mod, blk, cap: int, up: bool):
+        self._mod, self._blk, self._cap, self._up = mod, blk, cap, up
 
     def __getattr__(self, name):
         return getattr(self._mod, name)
@@ -128,13 +129,21 @@ class _RouteThenPrefetch:
                                                                                 for q in parts) // 16 * 16)
             prefetch_experts(p, g, lim, side)
 
+    def sum_norm(self, *args, **kw):
+        if self._up:  # the up-projection's weights, after w2, beside the norm's all-reduce stand-in
+            side = self._blk._w2pf_stream
+            side.wait_stream(torch.cuda.current_stream())
+            w_up = self._blk.weights.w_up
+            l2_prefetch.prefetch(w_up, w_up.numel() * w_up.element_size(), stream=side)
+        self._mod.sum_norm(*args, **kw)
 
-def with_w2_prefetch(blk: MoEBlock, cap_bytes: int) -> MoEBlock:
+
+def with_w2_prefetch(blk: MoEBlock, cap_bytes: int, up: bool = False) -> MoEBlock:
     blk._w2pf_stream = torch.cuda.Stream()
 
     def cute_routed(y, latent):
         saved = rmoe.moe_experts
-        rmoe.moe_experts = _RouteThenPrefetch(saved, blk, cap_bytes)
+        rmoe.moe_experts = _RouteThenPrefetch(saved, blk, cap_bytes, up)
         try:
             out = MoEBlock._cute_routed(blk, y, latent)
         finally:
@@ -155,6 +164,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--db", default=None)
     ap.add_argument("--caps", default="0", help="bytes per expert asked for, one variant each (KiB; 0 = all of it)")
+    ap.add_argument("--up", action="store_true", help="also a variant that, beside w2pf (whole), pulls the latent "
+                    "up-projection's weights into L2 after w2, beside the norm's all-reduce stand-in")
     args = ap.parse_args()
 
     from k3tune.kernels.gemm_smallm import current_arch
@@ -176,7 +187,7 @@ def main() -> None:
         touched = len({e for r in ids for e in r})
         floor = block_bytes(sh, tp, "tuned", fmt, touched, batch) / bw * 1e6
         comm = EmulatedComm.for_target("gb300", tp)
-        variants = ["served"] + [f"w2pf{c}" for c in args.caps.split(",")]
+        variants = ["served"] + [f"w2pf{c}" for c in args.caps.split(",")] + (["w2pf0+up"] if args.up else [])
         blocks, meds = {}, {}
         for name in variants:
             blocks[name] = [MoEBlock.serve(w, sel, batch, comm=comm) for w in layers]
@@ -185,7 +196,7 @@ def main() -> None:
                 if name != "served":
                     if b._cache.get("experts") != "cute":
                         raise SystemExit(f"{point}: the served block does not run the CuTe expert kernels")
-                    with_w2_prefetch(b, int(name[4:]) << 10)
+                    with_w2_prefetch(b, int(name[4:].removesuffix("+up")) << 10, up=name.endswith("+up"))
             meds[name] = []
         ref = blocks["served"][0](x).clone()
         exact = torch.equal(blocks["served"][0](x), ref)  # the served block repeats itself bit for bit?
