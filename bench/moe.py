@@ -28,6 +28,7 @@ import argparse
 import json
 import random
 import statistics
+from dataclasses import dataclass
 
 import torch
 from gemm import copy_bandwidth, write_json  # bench/gemm.py (this script runs from bench/)
@@ -55,6 +56,61 @@ def block_bytes(sh: BlockShape, tp: int, path: str, fmt: str, touched: int, toke
 def time_blocks(blocks, x, samples: int) -> list[float]:
     """Per-layer times (us): the measurer's CUDA-graph timing of a step through every layer's block."""
     return [t / len(blocks) for t in time_graph(lambda _: [b(x) for b in blocks], [{}], samples)]
+
+
+@dataclass
+class ServedPoint:
+    """One format:tp:batch point of the A/B scripts (bench/shared_ab.py, bench/w2_prefetch_ab.py): uniform routing
+    imposed, the selector of the model with that expert format, ``layers`` distinct weights, the roofline floor."""
+    fmt: str
+    tp: int
+    batch: int
+    sel: object
+    layers: list
+    top: object  # int32 [batch, top_k]: the imposed experts
+    x: object
+    touched: int
+    floor_us: float
+    comm: EmulatedComm
+
+    @classmethod
+    def make(cls, point: str, sh: BlockShape, bw: float, db: str | None, layers: int) -> ServedPoint:
+        fmt, tp, batch = point.split(":")
+        tp, batch = int(tp), int(batch)
+        model = "kimi_k3_config.json" if fmt == "mxfp4" else "kimi_k3_bf16_experts.json"
+        sel = Selector.load(db, model=models.load(configs_dir() / model), routing="uniform")
+        weights = [random_weights(sh, tp, fmt=fmt, device="cuda", seed=i) for i in range(layers)]
+        ids = routings.sample("uniform", sh.experts, sh.top_k, batch, random.Random(batch))
+        top = torch.tensor(ids, device="cuda", dtype=torch.int32)
+        x = torch.randn(batch, sh.hidden, device="cuda").to(torch.bfloat16)
+        touched = len({e for r in ids for e in r})
+        floor = block_bytes(sh, tp, "tuned", fmt, touched, batch) / bw * 1e6
+        return cls(fmt, tp, batch, sel, weights, top, x, touched, floor, EmulatedComm.for_target("gb300", tp))
+
+    def label(self) -> str:
+        return f"{self.fmt:5s} tp{self.tp:<2d} b{self.batch:<3d} experts {self.touched:3d} floor {self.floor_us:6.1f}"
+
+
+def alternate(blocks: dict, x, rounds: int, samples: int) -> dict:
+    """label -> each round's median per-layer time (us) of that label's blocks; the labels take turns, ``rounds``
+    times, so drift falls on all of them."""
+    meds = {v: [] for v in blocks}
+    for _ in range(rounds):
+        for v in blocks:
+            meds[v].append(statistics.median(time_blocks(blocks[v], x, samples)))
+    return meds
+
+
+def ab_cells(meds: dict, base, floor_us: float, name=str) -> list[str]:
+    """One table cell per label: the median of its rounds' medians, its roofline fraction, its ratio to ``base``'s
+    and the rounds themselves."""
+    ref = statistics.median(meds[base])
+    cells = []
+    for v, m in meds.items():
+        us = statistics.median(m)
+        cells.append(f"{name(v)} {us:6.1f} (roof {floor_us / us:.3f}, x{ref / us:.3f}, rounds "
+                     f"{'/'.join(f'{t:.1f}' for t in m)})")
+    return cells
 
 
 def main() -> None:

@@ -32,18 +32,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import random
-import statistics
 
 import torch
 from gemm import copy_bandwidth  # bench/gemm.py (this script runs from bench/)
-from moe import block_bytes, served_knobs, time_blocks
+from moe import ServedPoint, ab_cells, alternate, served_knobs
 
-from k3tune.plan import model as models
-from k3tune.plan import routing as routings
-from k3tune.runtime import Selector
 from k3tune.runtime import partition
-from k3tune.runtime.moe import BlockShape, EmulatedComm, MoEBlock, random_weights
+from k3tune.runtime.moe import BlockShape, MoEBlock
 from k3tune.shipped import configs_dir
 
 _CACHES: dict[str, dict] = {"default": partition._CACHE, "high": {}}
@@ -83,17 +78,8 @@ def main() -> None:
     print(f"# {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s; served blocks, uniform routing, "
           f"stand-ins timed by gb300 NVLink; shared-expert stream at default vs greatest priority")
     for point in args.points.split(","):
-        fmt, tp, batch = point.split(":")
-        tp, batch = int(tp), int(batch)
-        model = "kimi_k3_config.json" if fmt == "mxfp4" else "kimi_k3_bf16_experts.json"
-        sel = Selector.load(args.db, model=models.load(configs_dir() / model), routing="uniform")
-        layers = [random_weights(sh, tp, fmt=fmt, device="cuda", seed=i) for i in range(args.layers)]
-        ids = routings.sample("uniform", sh.experts, sh.top_k, batch, random.Random(batch))
-        top = torch.tensor(ids, device="cuda", dtype=torch.int32)
-        x = torch.randn(batch, sh.hidden, device="cuda").to(torch.bfloat16)
-        floor = block_bytes(sh, tp, "tuned", fmt, len({e for r in ids for e in r}), batch) / bw * 1e6
-        comm = EmulatedComm.for_target("gb300", tp)
-        served = MoEBlock.serve(layers[0], sel, batch, comm=comm)
+        pt = ServedPoint.make(point, sh, bw, args.db, args.layers)
+        served = MoEBlock.serve(pt.layers[0], pt.sel, pt.batch, comm=pt.comm)
         want = set(args.variants.split(",")) - {""}
         if want - {"high", "split", "noshared"}:
             raise SystemExit(f"error: --variants: unknown {sorted(want - {'high', 'split', 'noshared'})}")
@@ -103,35 +89,26 @@ def main() -> None:
             variants += [(f"split{args.split}", args.split, p) for p in prios]
         if "noshared" in want:
             variants.append(("noshared", None, "default"))
-        zeros = torch.zeros(batch, sh.hidden, device="cuda", dtype=torch.bfloat16)
+        zeros = torch.zeros(pt.batch, sh.hidden, device="cuda", dtype=torch.bfloat16)
         del served
-        blocks, meds = {}, {}
+        blocks = {}
         for name, sms, prio in variants:
             with stream_priority(prio):
-                knobs = None if sms is None else served_knobs(sel, tp, batch, sms, routed_on="all")
-                blocks[name, prio] = [MoEBlock.serve(w, sel, batch, comm=comm) if knobs is None else
-                                      MoEBlock.build(w, "tuned", batch=batch, selector=sel, comm=comm, **knobs)
-                                      for w in layers]
+                knobs = None if sms is None else served_knobs(pt.sel, pt.tp, pt.batch, sms, routed_on="all")
+                blocks[name, prio] = [MoEBlock.serve(w, pt.sel, pt.batch, comm=pt.comm) if knobs is None else
+                                      MoEBlock.build(w, "tuned", batch=pt.batch, selector=pt.sel, comm=pt.comm,
+                                                     **knobs)
+                                      for w in pt.layers]
             for b in blocks[name, prio]:
-                b.force_top = top
+                b.force_top = pt.top
                 if name == "noshared":
                     b._shared = lambda _x: zeros  # the shared experts' output, made once: no kernel
-            meds[name, prio] = []
-        for _ in range(args.rounds):
-            for v in meds:
-                meds[v].append(statistics.median(time_blocks(blocks[v], x, args.samples)))
-        base = statistics.median(meds["served", "default"])
-        cells = []
-        for (name, prio), m in meds.items():
-            us = statistics.median(m)
-            cells.append(f"{name}/{prio} {us:6.1f} (roof {floor / us:.3f}, x{base / us:.3f}, rounds "
-                         f"{'/'.join(f'{v:.1f}' for v in m)})")
+        meds = alternate(blocks, pt.x, args.rounds, args.samples)
+        cells = ab_cells(meds, ("served", "default"), pt.floor_us, name=lambda v: f"{v[0]}/{v[1]}")
         first = blocks["served", "default"][0].ran
-        print(f"{fmt:5s} tp{tp:<2d} b{batch:<3d} floor {floor:6.1f} | " + " | ".join(cells) +
-              f" | served shared: {first['shared']}", flush=True)
-        del blocks, layers
+        print(pt.label() + " | " + " | ".join(cells) + f" | served shared: {first['shared']}", flush=True)
+        del blocks, pt
         torch.cuda.empty_cache()
-
 
 if __name__ == "__main__":
     main()

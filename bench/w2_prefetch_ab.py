@@ -20,19 +20,14 @@ table gives each variant's median of its rounds' medians, its ratio to the serve
 
 import argparse
 import functools
-import random
-import statistics
 
 import torch
 from gemm import copy_bandwidth  # bench/gemm.py (this script runs from bench/)
-from moe import block_bytes, time_blocks
+from moe import ServedPoint, ab_cells, alternate
 
 import k3tune.runtime.moe as rmoe
 from k3tune.kernels import l2_prefetch
-from k3tune.plan import model as models
-from k3tune.plan import routing as routings
-from k3tune.runtime import Selector
-from k3tune.runtime.moe import BlockShape, EmulatedComm, MoEBlock, random_weights
+from k3tune.runtime.moe import BlockShape, MoEBlock
 from k3tune.shipped import configs_dir
 
 CHUNK = 64 << 10  # bytes per CTA: one bulk prefetch
@@ -176,50 +171,30 @@ def main() -> None:
     print(f"# {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s; served blocks, uniform routing, "
           f"stand-ins timed by gb300 NVLink; w2pf = the selected experts' w2 pulled into L2 beside w13")
     for point in args.points.split(","):
-        fmt, tp, batch = point.split(":")
-        tp, batch = int(tp), int(batch)
-        model = "kimi_k3_config.json" if fmt == "mxfp4" else "kimi_k3_bf16_experts.json"
-        sel = Selector.load(args.db, model=models.load(configs_dir() / model), routing="uniform")
-        layers = [random_weights(sh, tp, fmt=fmt, device="cuda", seed=i) for i in range(args.layers)]
-        ids = routings.sample("uniform", sh.experts, sh.top_k, batch, random.Random(batch))
-        top = torch.tensor(ids, device="cuda", dtype=torch.int32)
-        x = torch.randn(batch, sh.hidden, device="cuda").to(torch.bfloat16)
-        touched = len({e for r in ids for e in r})
-        floor = block_bytes(sh, tp, "tuned", fmt, touched, batch) / bw * 1e6
-        comm = EmulatedComm.for_target("gb300", tp)
+        pt = ServedPoint.make(point, sh, bw, args.db, args.layers)
         variants = ["served"] + [f"w2pf{c}" for c in args.caps.split(",")] + (["w2pf0+up"] if args.up else [])
-        blocks, meds = {}, {}
+        blocks = {}
         for name in variants:
-            blocks[name] = [MoEBlock.serve(w, sel, batch, comm=comm) for w in layers]
+            blocks[name] = [MoEBlock.serve(w, pt.sel, pt.batch, comm=pt.comm) for w in pt.layers]
             for b in blocks[name]:
-                b.force_top = top
+                b.force_top = pt.top
                 if name != "served":
                     if b._cache.get("experts") != "cute":
                         raise SystemExit(f"{point}: the served block does not run the CuTe expert kernels")
                     with_w2_prefetch(b, int(name[4:].removesuffix("+up")) << 10, up=name.endswith("+up"))
-            meds[name] = []
-        ref = blocks["served"][0](x).clone()
-        exact = torch.equal(blocks["served"][0](x), ref)  # the served block repeats itself bit for bit?
+        ref = blocks["served"][0](pt.x).clone()
+        exact = torch.equal(blocks["served"][0](pt.x), ref)  # the served block repeats itself bit for bit?
         for name in variants[1:]:  # a hint: the same numbers (bit for bit where the block repeats itself)
             n0 = LAUNCHES[0]
-            out = blocks[name][0](x)
+            out = blocks[name][0](pt.x)
             same = torch.equal(out, ref) if exact else torch.allclose(out.float(), ref.float(), rtol=2e-2, atol=1e-3)
             if not same or LAUNCHES[0] == n0:
                 raise SystemExit(f"{point} {name}: output differs from the served block's or no prefetch ran")
-        for _ in range(args.rounds):
-            for v in variants:
-                meds[v].append(statistics.median(time_blocks(blocks[v], x, args.samples)))
-        base = statistics.median(meds["served"])
-        cells = []
-        for name, m in meds.items():
-            us = statistics.median(m)
-            cells.append(f"{name} {us:6.1f} (roof {floor / us:.3f}, x{base / us:.3f}, rounds "
-                         f"{'/'.join(f'{v:.1f}' for v in m)})")
-        print(f"{fmt:5s} tp{tp:<2d} b{batch:<3d} experts {touched:3d} floor {floor:6.1f} | " + " | ".join(cells) +
+        meds = alternate(blocks, pt.x, args.rounds, args.samples)
+        print(pt.label() + " | " + " | ".join(ab_cells(meds, "served", pt.floor_us)) +
               f" | served: {blocks['served'][0].ran.get('shared')} | prefetch launches {LAUNCHES[0]}", flush=True)
-        del blocks, layers
+        del blocks, pt
         torch.cuda.empty_cache()
-
 
 if __name__ == "__main__":
     main()
