@@ -60,7 +60,7 @@ def time_blocks(blocks, x, samples: int) -> list[float]:
 
 @dataclass
 class ServedPoint:
-    """One format:tp:batch point of the A/B scripts (bench/shared_ab.py, bench/w2_prefetch_ab.py): uniform routing
+    """One format:tp:batch point of the served-block A/B scripts (bench/*_ab.py): uniform routing
     imposed, the selector of the model with that expert format, ``layers`` distinct weights, the roofline floor."""
     fmt: str
     tp: int
