@@ -11,7 +11,8 @@ digest differs differs only by its ``depends_on`` or its docstrings and comments
 assignment and the docstrings are removed: neither reaches generated code), or only
 in members that the simulated backend alone calls (``work``, ``simulate_us``) and in the ``archs`` it declares code
 for (then only measured results on a supported arch are re-keyed; simulated ones stay stale), and every module that
-was already covered is byte-identical at both commits. A result is re-keyed only if its stored
+was already covered differs at most in docstrings and comments (its syntax tree without docstrings equal at both
+commits; a newly covered module must be byte-identical). A result is re-keyed only if its stored
 digest is the base code's and every newly covered module it depends on was last committed before the result was
 created (otherwise it may have run other code: it stays stale). One transaction per database: all or nothing.
 """
@@ -88,9 +89,9 @@ SIMULATION_ONLY = ("work", "simulate_us")  # family members only the simulated b
 MEASURED_NEUTRAL = ("archs",)  # where a family is offered: no change on an arch it still supports
 
 
-def _without(src: str, methods: tuple[str, ...] = (), attrs: tuple[str, ...] = ()) -> str:
+def _without(src: str, methods: tuple[str, ...] = (), attrs: tuple[str, ...] = (), deps: bool = False) -> str:
     """The module's syntax tree without docstrings (comments are not in it either), without class-level
-    ``depends_on`` assignments and without the named methods and class attributes."""
+    ``depends_on`` assignments (kept with ``deps``) and without the named methods and class attributes."""
     tree = ast.parse(src)
     for node in ast.walk(tree):
         if (isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef) and node.body
@@ -100,7 +101,7 @@ def _without(src: str, methods: tuple[str, ...] = (), attrs: tuple[str, ...] = (
         if isinstance(node, ast.ClassDef):
             node.body = [s for s in node.body if not (
                 isinstance(s, ast.Assign | ast.AnnAssign)
-                and any(isinstance(t, ast.Name) and t.id in ("depends_on", *attrs)
+                and any(isinstance(t, ast.Name) and t.id in (*(() if deps else ("depends_on",)), *attrs)
                         for t in (s.targets if isinstance(s, ast.Assign) else [s.target])))
                 and not (isinstance(s, ast.FunctionDef) and s.name in methods)]
     return ast.dump(tree)
@@ -133,8 +134,8 @@ def plan(base: str, target: str | None) -> dict:
             raise RekeyError(f"{name}: {n['module']} changed beyond its depends_on between the commits: re-sweep it")
         if not set(o["depends_on"]) <= set(n["depends_on"]):
             raise RekeyError(f"{name}: its depends_on lost {sorted(set(o['depends_on']) - set(n['depends_on']))}")
-        for m in o["depends_on"]:
-            if _source(base, m) != _source(target, m):
+        for m in o["depends_on"]:  # a module already covered may differ in docstrings and comments only
+            if _without(_source(base, m), deps=True) != _without(_source(target, m), deps=True):
                 raise RekeyError(f"{name}: {m}, already in its key, changed between the commits: re-sweep it")
         added = {m: _last_change(target, m) for m in n["depends_on"] if m not in o["depends_on"]}
         for m in added:

@@ -107,6 +107,18 @@ def test_rekey_sees_through_docstrings_and_comments_only():
     assert mod._without(base) != mod._without(base.replace("    return x + 1", '    "kept"\n    return x + 1'))
 
 
+def test_rekey_lets_a_covered_module_differ_in_docstrings_only():
+    """A module already in a key may change its docstrings and comments (no generated code changes); its own classes'
+    ``depends_on`` still count there (a family module's do not: they are the widening itself)."""
+    mod = _rekey_module(history=False)
+    base = 'def f(x):\n    """Old."""\n    return x + 1\n\n\nclass K:\n    depends_on = ("a",)\n'
+    docs = ('"""A module doc."""\ndef f(x):\n    """New, longer."""\n    return x + 1  # why\n\n\n'
+            'class K:\n    depends_on = ("a",)\n')
+    assert mod._without(base, deps=True) == mod._without(docs, deps=True)
+    assert mod._without(base, deps=True) != mod._without(base.replace('("a",)', '("a", "b")'), deps=True)
+    assert mod._without(base, deps=True) != mod._without(base.replace("x + 1", "x - 1"), deps=True)
+
+
 def _shipped_at(mod, commit, path):
     import subprocess
 
