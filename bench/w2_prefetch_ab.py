@@ -9,7 +9,9 @@ is known once the route kernel has run, so a side-stream kernel launched after i
 Bench only: the library is not edited (runtime/moe.py and the expert kernels are in every block winner's key). The
 ``w2pf`` variant is the served block whose ``_cute_routed`` has the route call followed by that side-stream launch
 (joined back after the routed chain, so the step stays graph-capturable). Only where the selected experts' w2 bytes
-fit the L2 can it pay (b1-b4); ``--max-mib`` caps the bytes asked for (the first experts' rows in item order).
+fit the L2 can it pay (b1-b4); ``--caps`` caps the bytes asked for per expert (its first rows).
+Measured (s39-r1, NOTES session 39): 0-8% slower at every point tried, with ``--up`` slower again: refuted; kept as
+the record of the test.
 
     cd bench && python3 w2_prefetch_ab.py --points mxfp4:8:1,mxfp4:8:4,bf16:16:1 [--rounds 3] [--samples 15]
 
