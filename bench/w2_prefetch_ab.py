@@ -28,7 +28,7 @@ from gemm import copy_bandwidth  # bench/gemm.py (this script runs from bench/)
 from moe import ServedPoint, ab_cells, alternate
 
 import k3tune.runtime.moe as rmoe
-from k3tune.kernels import l2_prefetch
+from k3tune.kernels import l2_prefetch, moe_experts_tc
 from k3tune.runtime.moe import BlockShape, MoEBlock
 from k3tune.shipped import configs_dir
 
@@ -118,12 +118,13 @@ class _RouteThenPrefetch:
         side = blk._w2pf_stream
         side.wait_stream(torch.cuda.current_stream())
         w2 = blk.weights.w2
-        parts = [w2[0], w2[1]] if blk.weights.fmt == "mxfp4" else [w2]
-        parts = [p.data if hasattr(p, "data") and not isinstance(p, torch.Tensor) else p for p in parts]
-        for p in parts:  # codes (or bf16) first, then scales; the cap shared in proportion
-            full = p[0].numel() * p.element_size()
-            lim = full if self._cap <= 0 else max(16, self._cap * full // sum(q[0].numel() * q.element_size()
-                                                                                for q in parts) // 16 * 16)
+        if blk.weights.fmt == "mxfp4":  # codes (as K3 ships them, or repacked), then scales
+            parts = [w2[0].data if isinstance(w2[0], moe_experts_tc.PackedCodes) else w2[0], w2[1]]
+        else:
+            parts = [w2]
+        sizes = [p[0].numel() * p.element_size() for p in parts]  # one expert's bytes of each
+        for p, size in zip(parts, sizes):  # the cap shared in proportion
+            lim = size if self._cap <= 0 else max(16, self._cap * size // sum(sizes) // 16 * 16)
             prefetch_experts(p, g, lim, side)
 
     def sum_norm(self, *args, **kw):
