@@ -18,6 +18,9 @@ class Settings:
     # K3TUNE_SERVE_DB: the database the runtime selector reads instead of the shipped one for this GPU (a sweep
     # sets it for its workers, so that a measured MoE block runs the dense kernels the sweep chose)
     serve_db: str | None = None
+    # K3TUNE_KERNEL_CACHE: the directory of compiled kernels shared by a machine's processes ("off": none; unset:
+    # ~/.cache/k3tune/kernels)
+    kernel_cache: Path | None = None
 
     @property
     def default_db(self) -> str:
@@ -37,4 +40,11 @@ def load() -> Settings:
         routing=os.environ.get("K3TUNE_ROUTING") or None,
         extra_families=tuple(filter(None, (n.strip() for n in os.environ.get("K3TUNE_EXTRA_FAMILIES", "").split(",")))),
         serve_db=os.environ.get("K3TUNE_SERVE_DB") or None,
+        kernel_cache=_kernel_cache(os.environ.get("K3TUNE_KERNEL_CACHE", "")),
     )
+
+
+def _kernel_cache(value: str) -> Path | None:
+    if value.strip().lower() == "off":
+        return None
+    return Path(value) if value else Path.home() / ".cache" / "k3tune" / "kernels"

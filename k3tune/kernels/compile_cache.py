@@ -28,10 +28,9 @@ from pathlib import Path
 
 
 def cache_dir() -> Path | None:
-    v = os.environ.get("K3TUNE_KERNEL_CACHE", "")
-    if v.lower() == "off":
-        return None
-    return Path(v) if v else Path.home() / ".cache" / "k3tune" / "kernels"
+    from k3tune import settings
+
+    return settings.load().kernel_cache
 
 
 def entry_name(kind: str, key: tuple, modules: tuple[str, ...]) -> str:
