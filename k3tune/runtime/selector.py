@@ -146,7 +146,7 @@ class Selector:
         if simulated:
             fp = hardware.simulated_fingerprint(hardware.spec(simulated))
         elif unserved and fingerprint is None:  # the hardware asked for is not in db: never another GPU's winners
-            sel._warn(f"{unserved}: serving heuristic defaults")
+            sel._warn(f"{unserved}; serving heuristic defaults")
             sel._build()
             return sel
         else:
