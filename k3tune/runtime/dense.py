@@ -81,6 +81,11 @@ class DenseProjection:
         label = f"{fam.name} {json.dumps(cfg.params(), sort_keys=True)} ({how})"
         return cls(op, label, fam.name, inputs, run)
 
+    @property
+    def out(self):
+        """The output buffer the CuTe kernel writes (each call returns it, rewritten); None for cuBLAS."""
+        return self._inputs.get("out")
+
     def __call__(self, x):
         return self._run({**self._inputs, "x": x.contiguous()})
 
