@@ -1,4 +1,4 @@
-"""Every CuTe DSL kernel compiles on the CPU for Hopper (sm_90a) and Blackwell (sm_100a).
+"""Every CuTe DSL kernel compiles on the CPU for Hopper (sm_90a) and Blackwell (sm_100a), and a sample of each for GB300's own sm_103a.
 
 The small-M GEMM's space is up to 8 token counts x 4 row counts x 3 warp counts x 5 splits x 3 unrolls per
 arch; compiling all of it takes many minutes on the 2-core CI machine, so this covers a stated sample: every
@@ -267,3 +267,34 @@ def test_splitk_cluster_compiles(arch):
         warnings.simplefilter("ignore", DeprecationWarning)
         for knobs in CLUSTER_SAMPLE:
             assert gemm_splitk_cluster.compiled(*knobs[:7], int(knobs[7]), arch) is not None, knobs
+
+
+def test_every_cute_kernel_compiles_for_gb300s_own_arch():
+    """GB300 (Blackwell Ultra, compute capability 10.3) is the target, and a sweep there compiles for sm_103a (the
+    GPU's own arch: k3tune.kernels.gemm_smallm.current_arch), not the sm_100a the tests above use. One sample of every
+    CuTe kernel, and of each kind of the block's kernels, compiles for it; the Hopper-only wgmma families refuse it
+    as a declared CannotImplement, never a crash."""
+    from k3tune.errors import CannotImplement
+    from k3tune.kernels import (allreduce, gemm_smallm, gemm_splitk_cluster, gemm_stream, gemm_wgmma, gemm_wgmma_ck,
+                                l2_prefetch, moe_experts, moe_experts_tc)
+
+    arch = "sm_103a"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        built = [gemm_smallm.compiled(*SAMPLE[0], arch), gemm_splitk_tc.compiled(*TC_SAMPLE[-1], arch),
+                 gemm_splitk_cluster.compiled(*CLUSTER_SAMPLE[-1][:7], int(CLUSTER_SAMPLE[-1][7]), arch),
+                 gemm_stream.compiled(1, 4, 8, 7168, 1, arch, 1), l2_prefetch.compiled(arch),
+                 allreduce.compiled(8, True, 1e-6, 2, arch)]
+        for kind, knobs in [("w13", (4, 4, 4, 32, 1, 4.0, 25.0)), ("w2", (8, 2, 4, 32, 1)),
+                            ("route", (896, 16, 1.0, False, 4)), ("sum_norm", (16, 1e-5, 2)), ("situ", (4.0, 25.0)),
+                            ("gather", (16,)), ("reduce_add", (8,))]:
+            built.append(moe_experts.compiled(kind, knobs, arch, 1))
+        for kind, knobs, fmt in [("w13", (1, 2, 2, 1, 2, 4.0, 25.0, 1, 1, 0, 0, 2, 1, 1), "mxfp4"),
+                                 ("w2", (1, 4, 1, 1, 2, 0.0, 0.0, 1, 4, 1, 0, 0, 1, 1), "mxfp4"),
+                                 ("w13", (1, 2, 2, 1, 2, 4.0, 25.0, 1, 1, 0, 0, 0, 0, 0), "bf16")]:
+            built.append(moe_experts_tc.compiled(kind, knobs, fmt, arch, 1))
+    assert all(b is not None for b in built)
+    for hopper_only in (lambda: gemm_wgmma.compiled(*WGMMA_SAMPLE[0], arch),
+                        lambda: gemm_wgmma_ck.compiled(*WGMMA_CK_SAMPLE[0], arch)):
+        with pytest.raises(CannotImplement, match="sm_90a"):
+            hopper_only()
