@@ -1,4 +1,5 @@
-"""Every CuTe DSL kernel compiles on the CPU for Hopper (sm_90a) and Blackwell (sm_100a), and a sample of each for GB300's own sm_103a.
+"""Every CuTe DSL kernel compiles on the CPU for Hopper (sm_90a) and Blackwell (sm_100a), and a sample of each for
+GB300's own sm_103a.
 
 The small-M GEMM's space is up to 8 token counts x 4 row counts x 3 warp counts x 5 splits x 3 unrolls per
 arch; compiling all of it takes many minutes on the 2-core CI machine, so this covers a stated sample: every
