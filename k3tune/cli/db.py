@@ -12,7 +12,7 @@ from k3tune.cli.common import ConfigOption, JsonOption, SpecOption, console, db_
 from k3tune.errors import ConfigError, DatabaseError
 from k3tune.plan import model as models, problems as plans, spec as specs
 from k3tune.store import db as store_db
-from k3tune.store import inspect, redo as redos, transfer
+from k3tune.store import inspect, redo as redos, report as reports, transfer
 
 app = typer.Typer(no_args_is_help=True, help="Inspect and maintain tuning databases.")
 DbArg = Annotated[str | None, typer.Argument(help="SQLite path or SQLAlchemy URL (default: $K3TUNE_DB or ./k3tune.sqlite).")]
@@ -47,6 +47,48 @@ def show(db: DbArg = None, json: JsonOption = False) -> None:
     for r in info["runs"][-5:]:
         status = escape(f"[{r['status']}]")  # unescaped, '[done]' was read as a style tag and vanished
         console.print(f"  run {r['id']} {status} {r['backend']} on {escape(r['host'])}: {escape(r['command'])}")
+
+
+@app.command()
+def report(db: DbArg = None,
+           plot: Annotated[str | None, typer.Option(help="Also draw the speedups to this image file (PNG, SVG, PDF; "
+                                                         "needs the 'report' extra: matplotlib).")] = None,
+           json: JsonOption = False) -> None:
+    """What tuning bought: each current winner's speedup over the safe baseline (cuBLAS, the stock MoE block) timed
+    in the same sweep, by op and token count, per hardware (measured or simulated). Stale winners are left out.
+
+    Example: k3tune db report tuning_db/h200.sqlite --plot h200.png
+    """
+    data = reports.report(_open(db, readonly=True))
+    if plot:
+        data["plot"] = str(reports.plot(data, plot))
+    if json:
+        print_json(data)
+        return
+    if not data["hardware"]:
+        console.print("no current winners")
+    for hw in data["hardware"]:
+        label = hw["backend"]  # measured or simulated
+        stale = f", {hw['stale_left_out']} stale left out" if hw["stale_left_out"] else ""
+        console.print(f"[bold]{escape(hw['hardware'])}[/] ({label}): {hw['winners']} current winners{stale}")
+        sizes = sorted({m for op in hw["ops"] for r in op["rows"] for m in r["cells"]})
+        t = Table("op", "problem", "baseline", *map(str, sizes), "geomean",
+                  title="speedup over the safe baseline, by tokens per step")
+        for op in hw["ops"]:
+            for r in op["rows"]:
+                cells = [r["cells"].get(m) for m in sizes]
+                t.add_row(op["op"], escape(r["label"] or "-"), r["baseline"],
+                          *("" if c is None else "-" if not c["speedup"] else f"{c['speedup']:.2f}" for c in cells),
+                          f"{r['geomean']:.2f}" if r["geomean"] else "-")
+        console.print(t)
+        for op in hw["ops"]:
+            kernels = ", ".join(f"{k} {n}" for k, n in op["kernels"].items())
+            mean = f"{op['geomean']:.2f}x" if op["geomean"] else "-"
+            console.print(f"  {op['op']}: {mean} geomean; won by {escape(kernels)}")
+    if data["stale_left_out_elsewhere"]:
+        console.print(f"{data['stale_left_out_elsewhere']} stale winners of hardware with no current one left out")
+    if plot:
+        console.print(f"plot: {escape(data['plot'])}")
 
 
 @app.command()

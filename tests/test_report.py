@@ -1,0 +1,72 @@
+"""`k3tune db report` (k3tune/store/report.py): speedups over the safe baseline read from real databases (the shipped
+H200 one, and a simulated sweep made here), stale winners left out, and the plot written whole or not at all."""
+
+import json
+import math
+import sqlite3
+
+import pytest
+
+from k3tune.cli import main
+from k3tune.shipped import tuning_db_dir
+from k3tune.store import db as store_db, report
+
+H200_DB = tuning_db_dir() / "h200.sqlite"
+
+
+def _h200():
+    data = report.report(store_db.open_db(H200_DB, create=False, readonly=True))
+    (hw,) = data["hardware"]
+    return hw, {op["op"]: op for op in hw["ops"]}
+
+
+def test_shipped_h200_speedups_are_the_stored_ratios_with_their_baselines_named():
+    hw, ops = _h200()
+    assert hw["backend"] == "measured" and hw["winners"] == 270 and hw["stale_left_out"] == 0
+    with sqlite3.connect(H200_DB) as c:
+        stored = {(k, m): d / t for k, m, d, t in c.execute(
+            "SELECT p.op, json_extract(p.dims, '$.M'), w.default_us, w.median_us FROM winners w "
+            "JOIN problems p ON p.id = w.problem_id WHERE p.op = 'kda.o_proj' AND json_extract(p.dims, '$.K') = 768")}
+    row = next(r for r in ops["kda.o_proj"]["rows"] if r["label"] == "K=768")
+    assert row["baseline"] == "gemm.cublas"
+    assert {("kda.o_proj", m): c["speedup"] for m, c in row["cells"].items()} == pytest.approx(stored)
+    assert row["geomean"] == pytest.approx(math.exp(sum(map(math.log, stored.values())) / len(stored)))
+    # a block's rows are told apart by tp, format and routing only (its widths follow from tp); bf16 blocks are
+    # compared with the stock block, MXFP4 ones (which the stock path cannot run) with the tuned block's defaults
+    blocks = {r["label"]: r for r in ops["moe.block"]["rows"]}
+    assert set(blocks) == {f"tp={tp},format={f},routing={r}" for tp in (16, 8) for f in ("bf16", "mxfp4")
+                           for r in ("uniform", "zipf:1.2")}
+    assert blocks["tp=16,format=bf16,routing=zipf:1.2"]["baseline"] == "moe.stock"
+    assert blocks["tp=16,format=mxfp4,routing=uniform"]["baseline"] == "moe.overlap defaults"
+    assert blocks["tp=16,format=bf16,routing=zipf:1.2"]["cells"][1]["speedup"] > 2.5
+    assert sum(ops["moe.block"]["kernels"].values()) == 56
+
+
+def test_stale_winners_are_left_out_and_counted(tmp_path, capsys):
+    db = tmp_path / "s.sqlite"
+    assert main(["sweep", "--simulate", "gb300", "--spec", "smoke", "--db", str(db), "--json"]) == 0
+    capsys.readouterr()
+    with sqlite3.connect(db) as c:
+        c.execute("UPDATE winners SET op_digest = 'stale0000000000' WHERE problem_id IN "
+                  "(SELECT id FROM problems WHERE op = 'kda.o_proj')")
+        stale = c.execute("SELECT count(*) FROM winners WHERE op_digest = 'stale0000000000'").fetchone()[0]
+    assert main(["db", "report", str(db), "--json"]) == 0
+    (hw,) = json.loads(capsys.readouterr().out)["hardware"]
+    assert hw["backend"] == "simulated" and hw["stale_left_out"] == stale > 0
+    assert "kda.o_proj" not in {op["op"] for op in hw["ops"]} and hw["ops"]
+    assert main(["db", "report", str(db)]) == 0
+    out = capsys.readouterr().out
+    assert "(simulated)" in out and f"{stale} stale left out" in out
+
+
+def test_the_plot_is_written_whole_or_refused_in_one_line(tmp_path, capsys):
+    png = tmp_path / "h200.png"
+    assert main(["db", "report", str(H200_DB), "--plot", str(png), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["plot"] == str(png)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    assert [p.name for p in tmp_path.iterdir()] == ["h200.png"]  # no temporary file left beside it
+    for bad, msg in [(tmp_path / "no" / "x.png", "is not a directory"), (tmp_path / "x.docx", "name it .png")]:
+        assert main(["db", "report", str(H200_DB), "--plot", str(bad)]) == 2
+        err = capsys.readouterr().err
+        assert msg in err and len(err.strip().splitlines()) == 1
+        assert not bad.exists()
