@@ -61,6 +61,15 @@ def test_bad_arguments_are_one_clear_error(op, shape, tp, msg):
         DenseProjection.serve(sel, op, _weight(*shape), tp=tp, batch=1)
 
 
+def test_a_transposed_weight_and_a_wrong_x_are_refused():
+    sel = Selector.load(H200_DB, measured_on="h200")
+    with pytest.raises(ConfigError, match="must be contiguous"):
+        DenseProjection.serve(sel, "kda.o_proj", _weight(768, 7168).t(), tp=16, batch=1)
+    proj = DenseProjection.serve(sel, "kda.o_proj", _weight(7168, 768), tp=16, batch=2)
+    with pytest.raises(ConfigError, match=r"built for x of shape \[2, 768\], got \[3, 768\]"):
+        proj(_x(3, 768))
+
+
 def test_an_fp32_weight_is_refused():
     sel = Selector.load(H200_DB, measured_on="h200")
     with pytest.raises(ConfigError, match="bf16 weight, got .* torch.float32"):

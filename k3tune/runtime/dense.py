@@ -41,6 +41,7 @@ class DenseProjection:
     family: str
     _inputs: dict
     _run: object
+    x_shape: tuple[int, int]  # [tokens, K]: what each call takes
 
     @classmethod
     def serve(cls, selector, op: str, weight, tp: int, batch: int, draft: int = 0) -> DenseProjection:
@@ -57,6 +58,8 @@ class DenseProjection:
         if weight.dim() != 2 or tuple(weight.shape) != (want["N"], want["K"]) or weight.dtype != torch.bfloat16:
             raise ConfigError(f"{op} at tp {tp} takes a [{want['N']}, {want['K']}] bf16 weight, got "
                               f"{list(weight.shape)} {weight.dtype}")
+        if not weight.is_contiguous():
+            raise ConfigError(f"{op}: the weight must be contiguous (row-major [N, K]), as the kernels read it")
         problem = plans.Problem(op, "gemm", (("M", dep.tokens), ("N", want["N"]), ("K", want["K"])))
         fam, how = family(choice.family), choice.source
         try:
@@ -79,7 +82,7 @@ class DenseProjection:
         inputs = fam.make_inputs(problem, weight.device, torch.Generator(device=weight.device).manual_seed(0))
         inputs["w"] = weight
         label = f"{fam.name} {json.dumps(cfg.params(), sort_keys=True)} ({how})"
-        return cls(op, label, fam.name, inputs, run)
+        return cls(op, label, fam.name, inputs, run, (dep.tokens, want["K"]))
 
     @property
     def out(self):
@@ -87,6 +90,8 @@ class DenseProjection:
         return self._inputs.get("out")
 
     def __call__(self, x):
+        if x.shape != self.x_shape:  # a kernel built for these tokens would read past a smaller x
+            raise ConfigError(f"{self.op}: built for x of shape {list(self.x_shape)}, got {list(x.shape)}")
         return self._run({**self._inputs, "x": x.contiguous()})
 
 
