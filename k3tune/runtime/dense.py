@@ -16,7 +16,8 @@ before the next call if it must live longer (a CUDA graph replays into the same 
 Serving never stops on a tuning result. A tuned config that does not fit this exact token count (it was tuned for
 its bucket) gives its family's default config; a family that cannot run here (no code for this GPU's arch, a CPU
 tensor, or a kernel that fails to build) gives the safe baseline, cuBLAS (``torch.matmul``). ``ran`` says which
-kernel runs and why, and the fallbacks are logged once each.
+kernel runs and why, and a fallback to cuBLAS is logged as a warning. Building allocates the kernel's buffers (its
+output, and a split-K workspace where it has one) once; a call allocates nothing for a CuTe kernel.
 """
 
 from __future__ import annotations
