@@ -142,3 +142,5 @@ def sweep(
         console.print(f"[yellow]retired {escape(str(why))}[/]: its GPU was given up, the sweep went on without it")
     if stats.no_winner:
         console.print(f"[red]{len(stats.no_winner)} problems had no correct candidate[/] (heuristic defaults serve them)")
+    if stats.problems_done:
+        console.print(f"what it bought: k3tune db report {shlex.quote(str(summary['database']))}")
