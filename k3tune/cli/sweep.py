@@ -143,4 +143,4 @@ def sweep(
     if stats.no_winner:
         console.print(f"[red]{len(stats.no_winner)} problems had no correct candidate[/] (heuristic defaults serve them)")
     if stats.problems_done:
-        console.print(f"what it bought: k3tune db report {shlex.quote(str(summary['database']))}")
+        console.print(f"what it bought: k3tune db report {escape(shlex.quote(str(summary['database'])))}")
