@@ -54,7 +54,14 @@ def test_stale_winners_are_left_out_and_counted(tmp_path, capsys):
     assert main(["db", "report", str(db), "--json"]) == 0
     (hw,) = json.loads(capsys.readouterr().out)["hardware"]
     assert hw["backend"] == "simulated" and hw["stale_left_out"] == stale > 0
-    assert "kda.o_proj" not in {op["op"] for op in hw["ops"]} and hw["ops"]
+    ops = {op["op"]: op for op in hw["ops"]}
+    assert "kda.o_proj" not in ops and ops
+    # attention rows keep their query length: batch 8 x qlen 1 and batch 4 x qlen 2 would share a column
+    assert {r["label"] for r in ops["kda.decode"]["rows"]} == {f"heads={h},qlen={q}" for h in (6, 12) for q in (1, 2)}
+    n_cells = sum(len(r["cells"]) for r in ops["kda.decode"]["rows"])
+    with sqlite3.connect(db) as c:
+        assert n_cells == c.execute("SELECT count(*) FROM winners w JOIN problems p ON p.id = w.problem_id "
+                                    "WHERE p.op = 'kda.decode'").fetchone()[0]
     assert main(["db", "report", str(db)]) == 0
     out = capsys.readouterr().out
     assert "(simulated)" in out and f"{stale} stale left out" in out

@@ -72,10 +72,11 @@ def report(db: Database) -> dict:
 
 
 def _varying(dims_seq) -> list[str]:
-    """The dims (token count aside) whose values differ across an op's problems, in their stored order, less those
-    that an earlier one decides (a block's expert widths follow from its tp)."""
+    """The dims (token count and batch aside) whose values differ across an op's problems, in their stored order, less
+    those that an earlier one decides (a block's expert widths follow from its tp)."""
     dims_seq = list(dims_seq)
-    names = [k for k in (dims_seq[0] if dims_seq else {}) if k not in ("M", "batch", "qlen")]
+    # the query length stays: an attention problem's tokens per step are batch x qlen, which two problems can share
+    names = [k for k in (dims_seq[0] if dims_seq else {}) if k not in ("M", "batch")]
     varying = [k for k in names if len({d[k] for d in dims_seq}) > 1]
     kept: list[str] = []
     for k in varying:
