@@ -11,17 +11,38 @@ import pytest
 from k3tune.cli import app, main
 from k3tune.search.method import method_digest
 
-COMMANDS = [[], ["sweep"], ["plan"], ["lookup"], ["db"], ["db", "show"], ["db", "verify"], ["db", "export"],
-            ["db", "merge"], ["db", "diff"], ["db", "upgrade"]]
+def _commands(group=None, path=()) -> list[list[str]]:
+    """Every command and group of the app, read from the app itself (a command added later is covered too)."""
+    import typer
+
+    group = group or typer.main.get_command(app)
+    out = [list(path)]
+    for name, cmd in sorted(group.commands.items()):
+        out += _commands(cmd, path + (name,)) if hasattr(cmd, "commands") else [list(path + (name,))]
+    return out
+
+
+COMMANDS = _commands()
+
+
+def test_the_command_list_is_the_apps():
+    assert {" ".join(c) for c in COMMANDS} >= {"", "sweep", "plan", "lookup", "db", "db show", "db verify", "db export",
+                                             "db merge", "db diff", "db redo", "db report", "db upgrade", "checkpoint",
+                                             "checkpoint check"}
 
 
 @pytest.mark.parametrize("cmd", COMMANDS, ids=lambda c: " ".join(c) or "k3tune")
 def test_every_command_has_help_with_an_example(cmd, capsys):
+    import typer
+
     assert main(cmd + ["--help"]) == 0
     out = capsys.readouterr().out
     assert "Usage" in out
-    if len(cmd) == 2 or cmd in (["sweep"], ["plan"], ["lookup"]):
-        assert "Example" in out
+    node = typer.main.get_command(app)
+    for name in cmd:
+        node = node.commands[name]
+    if not hasattr(node, "commands"):  # every command (not a group) shows an example
+        assert "Example" in out, cmd
 
 
 def test_sweep_show_lookup_verify_roundtrip(tmp_path, capsys):
@@ -62,6 +83,25 @@ def test_plan_json(capsys):
     assert main(["plan", "--spec", "smoke", "--json"]) == 0
     p = json.loads(capsys.readouterr().out)
     assert p["deployments"] == 8 and sum(len(v) for v in p["problems"].values()) == 48
+
+
+def test_plan_text_agrees_with_its_json(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    assert main(["plan", "--spec", "smoke"]) == 0
+    out = capsys.readouterr().out
+    assert "spec smoke: 8 deployments" in out and "-> 48 unique problems" in out
+    assert re.search(r"simulated: 48 tunable problems, ~\d+ trials", out)
+
+
+def test_a_bare_simulate_means_the_detected_or_configured_hardware(tmp_path, capsys, monkeypatch):
+    """`--simulate` with no name, last or before another option, is 'auto': K3TUNE_HARDWARE where no GPU is seen."""
+    monkeypatch.setenv("K3TUNE_HARDWARE", "h100")
+    db = str(tmp_path / "a.sqlite")
+    assert main(["sweep", "--spec", "smoke", "--db", db, "--json", "--simulate"]) == 0
+    assert json.loads(capsys.readouterr().out)["backend"] == "simulated h100"
+    monkeypatch.delenv("K3TUNE_HARDWARE")
+    assert main(["sweep", "--simulate", "--spec", "smoke", "--db", db]) == 3
+    assert "needs a detected GPU or K3TUNE_HARDWARE" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv, msg, code", [
