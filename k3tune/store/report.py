@@ -55,7 +55,9 @@ def report(db: Database) -> dict:
             groups: dict[str, dict] = {}
             for w, p in mine:
                 label = ",".join(f"{k}={p.dims[k]}" for k in varying)
-                g = groups.setdefault(label, {"label": label, "baseline": _baseline(p, backend), "cells": {}})
+                if label not in groups:
+                    groups[label] = {"label": label, "baseline": _baseline(p, backend), "cells": {}}
+                g = groups[label]
                 sp = w.default_us / w.median_us if w.default_us and w.median_us else None
                 g["cells"][_size(p.dims)] = {"family": w.family, "median_us": w.median_us, "baseline_us": w.default_us,
                                              "speedup": sp}
@@ -106,13 +108,13 @@ def plot(data: dict, path: str | os.PathLike) -> Path:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.backend_bases import FigureCanvasBase
     except ImportError:
         raise ConfigError("plotting needs matplotlib: pip install 'k3tune[report]'") from None
     path = Path(path)
     if not path.parent.is_dir():
         raise ConfigError(f"cannot write the plot {path}: {path.parent} is not a directory")
-    formats = plt.figure().canvas.get_supported_filetypes()
-    plt.close("all")
+    formats = FigureCanvasBase.get_supported_filetypes()
     if path.suffix.lstrip(".").lower() not in formats:
         raise ConfigError(f"cannot write the plot {path}: name it .png, .svg or .pdf "
                           f"(known: {', '.join(sorted(formats))})")
