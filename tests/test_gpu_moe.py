@@ -280,6 +280,39 @@ def test_routed_expert_kernels_match_torch(b, k, experts, inter, latent):
     assert ((sa.float() - ref_sa).norm() / ref_sa.norm()).item() < 1e-2
 
 
+@pytest.mark.parametrize("b,k,latent,slices,cluster", [(1, 16, 3584, 16, 8), (5, 16, 3584, 8, 8), (64, 16, 3584, 1, 8),
+                                                        (3, 4, 264, 1, 2), (2, 3, 240, 1, 4), (2, 3, 400, 2, 2),
+                                                        (7, 5, 1000, 2, 1), (2, 3, 4100, 1, 1), (2, 16, 3584, 16, 8)])
+def test_sum_norm_spreads_a_token_over_a_cluster_and_matches(b, k, latent, slices, cluster):
+    """The slot sum + RMSNorm (+ slice sum) kernel against fp32 torch at the cluster layout ``sum_norm_layout`` picks
+    (asserted: the case covers the path it names), poisoned output, fresh random slots; the groups are reset; with a
+    stand-in's spin (the last case) the numbers are the same; two calls agree bit for bit (the partial sums of squares
+    are added in rank order in every CTA)."""
+    import torch
+
+    from k3tune.kernels import moe_experts
+    from k3tune.kernels.moe_experts import Groups
+
+    assert moe_experts.sum_norm_layout(latent, slices)[0] == cluster
+    g = torch.Generator(device="cuda").manual_seed(b * 1000 + latent)
+    per_slot = torch.randn(b * k, latent, device="cuda", generator=g)
+    norm_w = (torch.rand(latent, device="cuda", generator=g) + 0.5).to(torch.bfloat16)
+    grp = Groups.allocate(40, b, k, 1, "cuda")
+    grp.counts.fill_(7)
+    out = torch.full((b, latent // slices), float("nan"), dtype=torch.bfloat16, device="cuda")
+    cycles = 20000 if b == 2 and latent == 3584 else 0
+    moe_experts.sum_norm(per_slot, norm_w, out, k, 1e-5, grp, slices=slices, cycles=cycles)
+    summed = per_slot.view(b, k, latent).sum(1)
+    ref = summed * torch.rsqrt(summed.pow(2).mean(-1, keepdim=True) + 1e-5) * norm_w.float()
+    ref = ref.view(b, slices, latent // slices).sum(1)
+    assert not out.isnan().any()
+    assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2
+    assert int(grp.counts.abs().sum()) == 0, "sum_norm resets the groups for the next step"
+    again = torch.full_like(out, float("nan"))
+    moe_experts.sum_norm(per_slot, norm_w, again, k, 1e-5, grp, slices=slices)
+    assert torch.equal(again, out)
+
+
 def test_tuned_bf16_block_runs_the_cute_expert_kernels():
     from k3tune.runtime import Selector
 

@@ -65,9 +65,25 @@ def test_moe_expert_kernels_compile(arch):
                             ("w13", (1, 2, 1, 16, 2, 4.0, 25.0)), ("w2", (8, 2, 4, 32, 1)), ("w2", (4, 4, 1, 8, 2)),
                             ("w2", (16, 1, 2, 16, 8)), ("route", (896, 16, 1.0, False, 4)),
                             ("route", (40, 4, 1.0, True, 1)), ("sum_norm", (16, 1e-5, 2)),
-                            ("sum_norm", (16, 1e-5, 2, 16)), ("situ", (4.0, 25.0)), ("gather", (16,)),
-                            ("reduce_add", (8,))]:
+                            ("sum_norm", (16, 1e-5, 2, 16)), ("sum_norm", (16, 1e-5, 1, 1, 128, 8)),
+                            ("sum_norm", (16, 1e-5, 1, 16, 128, 8)), ("sum_norm", (4, 1e-5, 3, 8, 64, 2)),
+                            ("situ", (4.0, 25.0)), ("gather", (16,)), ("reduce_add", (8,))]:
             assert moe_kernel(kind, knobs, arch) is not None, (kind, knobs)
+
+
+def test_sum_norm_layout_spreads_k3s_rows_over_clusters_of_8():
+    """K3's latent (3584) at every slice count the block uses (1, tp 8, tp 16) is spread over 8 CTAs a token, 128
+    threads each, one 16-byte vector a thread; widths no cluster divides into whole vectors of every slice stay on
+    one CTA a token."""
+    from k3tune.kernels.moe_experts import SUM_NORM_THREADS, sum_norm_layout
+
+    for slices in (1, 8, 16):
+        assert sum_norm_layout(3584, slices) == (8, 128, 1)
+    assert sum_norm_layout(264, 1) == (2, 64, 1)  # 33 vectors a CTA
+    assert sum_norm_layout(240, 1) == (4, 32, 1)
+    assert sum_norm_layout(400, 2) == (2, 64, 1)  # 200 wide slices: 8 | 200, 16 does not
+    assert sum_norm_layout(1000, 2) == (1, 256, 1)
+    assert sum_norm_layout(4100, 1) == (1, SUM_NORM_THREADS, 3)
 
 
 _PDL_PTX = """
@@ -75,7 +91,7 @@ import os, sys, warnings
 warnings.simplefilter("ignore", DeprecationWarning)
 from k3tune.kernels import moe_experts, moe_experts_tc
 for kind, knobs in [("w13", (4, 4, 4, 32, 1, 4.0, 25.0)), ("w2", (4, 4, 1, 8, 2)), ("route", (896, 16, 1.0, True, 4)),
-                    ("sum_norm", (16, 1e-5, 2, 16)), ("situ", (4.0, 25.0)), ("gather", (16,)), ("reduce_add", (8,))]:
+                    ("sum_norm", (16, 1e-5, 1, 16, 128, 8)), ("situ", (4.0, 25.0)), ("gather", (16,)), ("reduce_add", (8,))]:
     moe_experts.compiled(kind, knobs, "sm_90a", int(sys.argv[1]))
 for kind, knobs, fmt in [("w13", (1, 2, 2, 1, 2, 4.0, 25.0, 1, 1, 0, 0, 2, 0, 0), "mxfp4"),
                          ("w2", (1, 4, 1, 1, 2, 0.0, 0.0, 1, 4, 1, 0, 0, 1, 1), "mxfp4"),

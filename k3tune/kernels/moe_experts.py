@@ -129,7 +129,7 @@ def _fake_args(kind: str, arch: str):
 def compiled(kind: str, knobs: tuple, arch: str, pdl: int = 0):
     """One compile per kernel kind, knob tuple, arch and ``pdl``; batch, widths and expert counts are dynamic.
     knobs: w13 (rows, warps, unroll, lanes, per, beta, linear_beta); w2 (rows, warps, unroll, lanes, per); route (experts,
-    top_k, scaling, forced, per); sum_norm (top_k, eps, vectors per thread, slices); situ (beta, linear_beta); gather,
+    top_k, scaling, forced, per); sum_norm (top_k, eps, vectors per thread, slices, threads, cluster); situ (beta, linear_beta); gather,
     reduce_add (tp). ``pdl`` = 1: launched as a programmatic dependent (see ``Pdl`` in ``_kernel_classes``). Pass it
     positionally (``compile_cache.install`` keys on positional arguments). Never call inside a capture."""
     import cutlass.cute as cute
@@ -184,7 +184,20 @@ def _check(cfg: ExpertKernelConfig, groups: Groups):
 
 
 SUM_NORM_THREADS = 512
+SUM_NORM_CLUSTERS = (8, 4, 2)  # portable cluster sizes, largest first
 SPIN_CTAS = 128  # the CTAs of a fused stand-in that spin (fewer than any target GPU's SMs: all in the first wave)
+
+
+def sum_norm_layout(n: int, slices: int) -> tuple[int, int, int]:
+    """(CTAs a token's row is spread over, threads a CTA, 16-byte vectors a thread) for a row ``n`` wide summed over
+    ``slices`` slices: the largest cluster of SUM_NORM_CLUSTERS whose CTAs own whole vectors of every slice. One
+    CTA per token read a token's k x n fp32 slots alone (229 KB at K3's top-16: ~4 us on one SM, s39-r3's profile);
+    spread over 8 SMs it is ~8x less."""
+    w = n // slices
+    cluster = next((c for c in SUM_NORM_CLUSTERS if w % (4 * c) == 0), 1)
+    nv = n // cluster // 4
+    threads = min(SUM_NORM_THREADS, -(-nv // 32) * 32)
+    return cluster, threads, -(-nv // threads)
 
 
 def sum_norm(per_slot, norm_weight, out, top_k: int, eps: float, groups: Groups, slices: int = 1, cycles: int = 0,
@@ -201,8 +214,8 @@ def sum_norm(per_slot, norm_weight, out, top_k: int, eps: float, groups: Groups,
     if n % 4 or n % slices or out.shape[1] != n // slices:
         raise ConfigError(f"sum_norm: width {n} must be a multiple of 4 and of {slices} slices, out {out.shape[1]}"
                           f" wide")
-    per = -(-n // (4 * SUM_NORM_THREADS))
-    fn = compiled("sum_norm", (top_k, float(eps), per, slices), current_arch(), int(pdl))
+    cluster, threads, per = sum_norm_layout(n, slices)
+    fn = compiled("sum_norm", (top_k, float(eps), per, slices, threads, cluster), current_arch(), int(pdl))
     fn(_t(per_slot, 16), _t(norm_weight, 2), _t(out, 2), _t(groups.counts, 4), int(cycles), _stream(stream))
 
 
@@ -479,26 +492,51 @@ def _kernel_classes():
                     mItems[at] = (my_id << ITEM_SHIFT) | pos
 
     class SumNorm(Pdl):
-        THREADS = SUM_NORM_THREADS
+        """A token's row over ``cluster`` CTAs (one thread-block cluster): CTA c of the token's cluster owns output
+        columns [c wc, (c + 1) wc) of every slice (wc = width / slices / cluster), i.e. latent columns r w + c wc ...
+        for each slice r; it sums its columns' k slots, squares them, and the CTAs' partial sums of squares are
+        exchanged through distributed shared memory (each pushes its own to every peer), so each CTA adds the same
+        ``cluster`` partials in rank order (deterministic) before it normalises its columns."""
 
-        def __init__(self, top_k, eps, per, slices=1):
+        def __init__(self, top_k, eps, per, slices=1, threads=SUM_NORM_THREADS, cluster=1):
             self.K, self.eps, self.per, self.slices = top_k, eps, per, slices
+            self.THREADS, self.C = threads, cluster
 
         @cute.jit
         def __call__(self, mP: cute.Tensor, mG: cute.Tensor, mOut: cute.Tensor, mCnt: cute.Tensor, cycles: Int64,
                      stream: cuda.CUstream):
-            self.kernel(mP, mG, mOut, mCnt, cycles).launch(grid=(mOut.shape[0], 1, 1), block=(self.THREADS, 1, 1),
-                                                           stream=stream, use_pdl=self.pdl)
+            if cutlass.const_expr(self.C > 1):
+                self.kernel(mP, mG, mOut, mCnt, cycles).launch(grid=(mOut.shape[0] * self.C, 1, 1),
+                                                               block=(self.THREADS, 1, 1), cluster=[self.C, 1, 1],
+                                                               stream=stream, use_pdl=self.pdl)
+            else:
+                self.kernel(mP, mG, mOut, mCnt, cycles).launch(grid=(mOut.shape[0], 1, 1), block=(self.THREADS, 1, 1),
+                                                               stream=stream, use_pdl=self.pdl)
 
         @cute.kernel
         def kernel(self, mP: cute.Tensor, mG: cute.Tensor, mOut: cute.Tensor, mCnt: cute.Tensor, cycles: Int64):
-            self.pdl_start()  # the spin (link time) starts when the collective's input exists
-            T, K, PER = self.THREADS, self.K, self.per
+            T, K, PER, C, S = self.THREADS, self.K, self.per, self.C, self.slices
             tidx, _, _ = cute.arch.thread_idx()
-            b, _, _ = cute.arch.block_idx()
-            spin_once(cycles, b, tidx)  # a fused all-reduce's link time (0: none)
-            n = mP.shape[1]  # the latent's width (the output is n / slices wide)
-            nv = n // 4
+            bidx, _, _ = cute.arch.block_idx()
+            b = bidx // C  # the token
+            rank = bidx % C  # the cluster is C consecutive CTAs along x
+            smem = cutlass.memory.SmemAllocator()
+            red = smem.allocate_tensor(Float32, cute.make_layout(T // 32), 16)
+            if cutlass.const_expr(C > 1):  # each rank's partial sum of squares lands in every peer's xs[rank]
+                xs = smem.allocate_tensor(Float32, cute.make_layout(C), 16)
+                bar = smem.allocate_tensor(Int64, cute.make_layout(1), 8)
+                if tidx == 0:
+                    cute.arch.mbarrier_init(bar.iterator, 1)
+                    cute.arch.mbarrier_init_fence()
+                    cute.arch.mbarrier_arrive_and_expect_tx(bar.iterator, C * 4)
+                cute.arch.cluster_arrive_relaxed()
+            self.pdl_start()  # the spin (link time) starts when the collective's input exists
+            spin_once(cycles, bidx, tidx)  # a fused all-reduce's link time (0: none)
+            n = mP.shape[1]  # the latent's width (the output is w = n / slices wide)
+            w = n // S
+            wc = w // C  # output columns (of every slice) this CTA owns: a multiple of 4
+            q4 = wc // 4
+            nv = S * q4  # this CTA's 16-byte vectors of the row
             gP = cute.zipped_divide(mP, (1, 4))
             atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128)
             sums = cute.make_rmem_tensor(cute.make_layout((4, PER)), Float32)
@@ -506,9 +544,10 @@ def _kernel_classes():
             sq = Float32(0.0)
             for i in cutlass.range_constexpr(PER):
                 v = cutlass.min(tidx + i * T, nv - 1)
+                col4 = (v // q4) * (w // 4) + rank * q4 + v % q4  # slice v // q4's vector v % q4 of this CTA
                 rp = cute.make_rmem_tensor(cute.make_layout((4, K)), Float32)
                 for j in cutlass.range_constexpr(K):  # the token's k slots, all loads first
-                    cute.copy(atom, gP[(None, (b * K + j, v))], rp[None, j])
+                    cute.copy(atom, gP[(None, (b * K + j, col4))], rp[None, j])
                 keep = cutlass.max(cutlass.min(nv - (tidx + i * T), 1), 0).to(Float32)
                 for j in cutlass.range_constexpr(K):  # in slot order: deterministic
                     for c in cutlass.range_constexpr(4):
@@ -516,38 +555,48 @@ def _kernel_classes():
                 for c in cutlass.range_constexpr(4):
                     sq = sq + sums[c, i] * sums[c, i] * keep
             sq = cute.arch.warp_reduction_sum(sq)
-            smem = cutlass.utils.SmemAllocator()
-            red = smem.allocate_tensor(Float32, cute.make_layout(T // 32), 16)
             if tidx % 32 == 0:
                 red[tidx // 32] = sq
-            if b == 0:  # every expert kernel of this step is done: reset the groups for the next one
+            if bidx == 0:  # every expert kernel of this step is done: reset the groups for the next one
                 for q in cutlass.range(tidx, mCnt.shape[0], T):
                     mCnt[q] = Int32(0)
             cute.arch.sync_threads()
             tot = Float32(0.0)
-            for w in cutlass.range_constexpr(T // 32):
-                tot = tot + red[w]
+            for wi in cutlass.range_constexpr(T // 32):
+                tot = tot + red[wi]
+            if cutlass.const_expr(C > 1):
+                cute.arch.cluster_wait()  # every peer's mbarrier is initialised and armed
+                if tidx < C:  # thread p pushes this rank's partial to peer p
+                    bits = cute.make_rmem_tensor(cute.make_layout(1), Float32)
+                    bits[0] = tot
+                    cute.arch.store_async_dsmem((xs.iterator + rank).align(4), cute.recast_tensor(bits, Int32)[0],
+                                                bar.iterator, tidx)
+                cute.arch.mbarrier_wait(bar.iterator, 0)
+                tot = Float32(0.0)
+                for z in cutlass.range_constexpr(C):  # rank order: the same sum in every CTA
+                    tot = tot + xs[z]
             inv = cute.math.rsqrt(tot / n.to(Float32) + Float32(self.eps))
-            if cutlass.const_expr(self.slices == 1):
+            if cutlass.const_expr(S == 1):
                 for i in cutlass.range_constexpr(PER):
                     v = tidx + i * T
                     if v < nv:
+                        col = 4 * (rank * q4 + v)
                         for c in cutlass.range_constexpr(4):
-                            mOut[b, 4 * v + c] = (sums[c, i] * inv * mG[4 * v + c].to(Float32)).to(BFloat16)
-            else:  # the normed row through shared memory, then each output column sums its slices in order
+                            mOut[b, col + c] = (sums[c, i] * inv * mG[col + c].to(Float32)).to(BFloat16)
+            else:  # this CTA's normed columns through shared memory, then each output column sums its slices in order
                 row = smem.allocate_tensor(Float32, cute.make_layout(4 * PER * T), 16)
                 for i in cutlass.range_constexpr(PER):
                     v = tidx + i * T
                     if v < nv:
+                        col = 4 * ((v // q4) * (w // 4) + rank * q4 + v % q4)
                         for c in cutlass.range_constexpr(4):
-                            row[4 * v + c] = sums[c, i] * inv * mG[4 * v + c].to(Float32)
+                            row[4 * v + c] = sums[c, i] * inv * mG[col + c].to(Float32)
                 cute.arch.sync_threads()
-                w = mOut.shape[1]
-                for q in cutlass.range(tidx, w, T):
+                for q in cutlass.range(tidx, wc, T):
                     acc = Float32(0.0)
-                    for r in cutlass.range_constexpr(self.slices):
-                        acc = acc + row[r * w + q]
-                    mOut[b, q] = acc.to(BFloat16)
+                    for r in cutlass.range_constexpr(S):
+                        acc = acc + row[r * wc + q]
+                    mOut[b, rank * wc + q] = acc.to(BFloat16)
 
     def rows_grid(mOut, threads):
         """One CTA per ``threads`` elements of each row of ``mOut`` (a flat grid: any CTA past the first
