@@ -10,9 +10,10 @@ expert's slot list (an atomic per expert) and, every ``per`` slots of an expert,
 expert e; the j-th tile of ``rows`` intermediate rows of e is read once for all of them;
 act[slot, r] = situ(x_tok . gate_r, x_tok . up_r) (bf16).
 ``w2``: the same over latent rows: out[slot, r] = weight[slot] * act[slot] . w2_r (fp32, one row per slot).
-``sum_norm``: one CTA per token: the token's k slots summed in slot order (deterministic: the grouping
-order never reaches the numbers), RMSNorm with the latent norm's weight, bf16 out; CTA 0 also resets the
-group counters, so the next step (or graph replay) starts from zero.
+``sum_norm``: a cluster of up to 8 CTAs per token (``sum_norm_layout``), each over its share of the columns: the
+token's k slots summed in slot order (deterministic: the grouping order never reaches the numbers), RMSNorm with
+the latent norm's weight (the CTAs' partial sums of squares exchanged through distributed shared memory and added
+in rank order), bf16 out; CTA 0 also resets the group counters, so the next step (or graph replay) starts from zero.
 ``gather_rows``, ``reduce_add_rows``: the emulated collectives' stand-ins (``k3tune.runtime.moe.EmulatedComm``) as
 one launch each, spin and output together, as a fused collective kernel writes its own output; ``sum_norm`` takes
 the routed all-reduce's spin the same way.
