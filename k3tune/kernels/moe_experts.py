@@ -129,9 +129,9 @@ def _fake_args(kind: str, arch: str):
 @functools.cache
 def compiled(kind: str, knobs: tuple, arch: str, pdl: int = 0):
     """One compile per kernel kind, knob tuple, arch and ``pdl``; batch, widths and expert counts are dynamic.
-    knobs: w13 (rows, warps, unroll, lanes, per, beta, linear_beta); w2 (rows, warps, unroll, lanes, per); route (experts,
-    top_k, scaling, forced, per); sum_norm (top_k, eps, vectors per thread, slices, threads, cluster); situ (beta, linear_beta); gather,
-    reduce_add (tp). ``pdl`` = 1: launched as a programmatic dependent (see ``Pdl`` in ``_kernel_classes``). Pass it
+    knobs: w13 (rows, warps, unroll, lanes, per, beta, linear_beta); w2 (rows, warps, unroll, lanes, per); route
+    (experts, top_k, scaling, forced, per); sum_norm (top_k, eps, vectors per thread, slices, threads, cluster); situ
+    (beta, linear_beta); gather, reduce_add (tp). ``pdl`` = 1: launched as a programmatic dependent (see ``Pdl`` in ``_kernel_classes``). Pass it
     positionally (``compile_cache.install`` keys on positional arguments). Never call inside a capture."""
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream
@@ -192,8 +192,8 @@ SPIN_CTAS = 128  # the CTAs of a fused stand-in that spin (fewer than any target
 def sum_norm_layout(n: int, slices: int) -> tuple[int, int, int]:
     """(CTAs a token's row is spread over, threads a CTA, 16-byte vectors a thread) for a row ``n`` wide summed over
     ``slices`` slices: the largest cluster of SUM_NORM_CLUSTERS whose CTAs own whole vectors of every slice. One
-    CTA per token read a token's k x n fp32 slots alone (229 KB at K3's top-16: ~4 us on one SM, s39-r3's profile);
-    spread over 8 SMs it is ~8x less."""
+    CTA per token read a token's k x n fp32 slots alone (229 KB at K3's top-16: ~4 us on one SM in s39-r4's
+    profile); over 8 SMs the block is 1.3-3 us faster (s39-r5/r6, bench/sum_norm_ab.py)."""
     w = n // slices
     cluster = next((c for c in SUM_NORM_CLUSTERS if w % (4 * c) == 0), 1)
     nv = n // cluster // 4
