@@ -131,8 +131,9 @@ def compiled(kind: str, knobs: tuple, arch: str, pdl: int = 0):
     """One compile per kernel kind, knob tuple, arch and ``pdl``; batch, widths and expert counts are dynamic.
     knobs: w13 (rows, warps, unroll, lanes, per, beta, linear_beta); w2 (rows, warps, unroll, lanes, per); route
     (experts, top_k, scaling, forced, per); sum_norm (top_k, eps, vectors per thread, slices, threads, cluster); situ
-    (beta, linear_beta); gather, reduce_add (tp). ``pdl`` = 1: launched as a programmatic dependent (see ``Pdl`` in ``_kernel_classes``). Pass it
-    positionally (``compile_cache.install`` keys on positional arguments). Never call inside a capture."""
+    (beta, linear_beta); gather, reduce_add (tp). ``pdl`` = 1: launched as a programmatic dependent (see ``Pdl`` in
+    ``_kernel_classes``). Pass it positionally (``compile_cache.install`` keys on positional arguments). Never call
+    inside a capture."""
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream
 
@@ -207,8 +208,8 @@ def sum_norm(per_slot, norm_weight, out, top_k: int, eps: float, groups: Groups,
     slices (bf16, width / slices: what a row-parallel projection over ``slices`` emulated ranks multiplies;
     1: n itself); resets ``groups`` for the next step. RMSNorm(c x) = x / sqrt(mean(x^2) + eps / c^2): a
     caller whose sum is all-reduced by c identical ranks passes eps / c^2. ``cycles``: SM cycles of spin first,
-    an emulated all-reduce's link time (the all-reduce fused with the norm, one launch). The row width must be a multiple
-    of 4 (16-byte vectors) and of ``slices``."""
+    an emulated all-reduce's link time (the all-reduce fused with the norm, one launch). The row width must be a
+    multiple of 4 (16-byte vectors) and of ``slices``; ``sum_norm_layout`` spreads each row over a cluster of CTAs."""
     from k3tune.errors import ConfigError
 
     n = per_slot.shape[1]
