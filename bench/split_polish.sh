@@ -7,15 +7,17 @@
 #   SWEEP_S=170 bash bench/split_polish.sh mxfp4:16:uniform bf16:16:uniform
 # Writes $OUT/split.log (everything), $OUT/served-FMT-tpTP-ROUTING.json, $OUT/split.sqlite.xz (every trial) and
 # $OUT/new.sqlite (the export to ship after `k3tune db diff` / `db verify`). A sweep cut by its limit stops the rest
-# (its trials are kept: START_DB=split.sqlite.xz resumes it, the first point then without a redo, the others with
-# one). SWEEP_S and BENCH_S may list one limit per point (the last one serves the rest), e.g. SWEEP_S="120 230";
-# a BENCH_S of 0 skips that point's bench.
-# FMT:TP:ROUTING@M,M... redoes only those batch sizes' blocks (always, START_DB or not); the bench serves all of them.
+# (its trials are kept: START_DB=split.sqlite.xz RESUME=1 resumes it, the first point then without a redo, the others
+# with one). START_DB alone starts from that trial database and redoes every point (s41: two calls, each from the same
+# trial DB, then `k3tune db merge`). SWEEP_S and BENCH_S may list one limit per point (the last one serves the rest),
+# e.g. SWEEP_S="120 230"; a BENCH_S of 0 skips that point's bench.
+# FMT:TP:ROUTING@M,M... redoes only those batch sizes' blocks (always, RESUME or not); the bench serves all of them.
 # GPUS=N sweeps on N GPUs (a multi-GPU kind; default 1); the bench runs on the first.
 set -uo pipefail
 source .carry/cutedsl/unpack.sh || exit 1
 log=$OUT/split.log
 db=/tmp/split.sqlite
+[ -n "${RESUME:-}" ] && [ -z "${START_DB:-}" ] && { echo "RESUME needs START_DB"; exit 1; }
 if [ -n "${START_DB:-}" ]; then xz -dc "$START_DB" > $db || exit 1; else cp tuning_db/h200.sqlite $db; fi
 nvidia-smi --query-gpu=index,name,clocks.sm,temperature.gpu --format=csv >> $log
 sweep_s=(${SWEEP_S:-170}); bench_s=(${BENCH_S:-120}); i=0
@@ -33,7 +35,7 @@ for point in "$@"; do
   patterns=()
   for m in ${batches//,/ }; do patterns+=("moe.block[tp=$tp,M=$m,%format=$fmt,routing=$routing]"); done
   [ -z "$batches" ] && patterns=("moe.block[tp=$tp,%format=$fmt,routing=$routing]")
-  if [ -z "${START_DB:-}" ] || [ $i -gt 1 ] || [ -n "$batches" ]; then  # a resumed first point is decided already
+  if [ -z "${RESUME:-}" ] || [ $i -gt 1 ] || [ -n "$batches" ]; then  # a resumed first point is decided already
     python3 -m k3tune db redo $db "${patterns[@]}" >> $log 2>&1 || exit 1
   fi
   t0=$SECONDS
