@@ -74,3 +74,18 @@ def test_an_fp32_weight_is_refused():
     sel = Selector.load(H200_DB, measured_on="h200")
     with pytest.raises(ConfigError, match="bf16 weight, got .* torch.float32"):
         DenseProjection.serve(sel, "kda.o_proj", _weight(7168, 768).float(), tp=16, batch=1)
+
+
+def test_bind_takes_the_problem_from_the_weight_and_checks_only_its_kind():
+    """``bind`` serves a caller whose weights follow its own model (the MoE block's small test models): a choice bound
+    to any [N, K] bf16 weight runs and matches; a non-2-D or fp32 weight is still refused."""
+    sel = Selector.load(H200_DB.parent / "none.sqlite", measured_on="h200")
+    choice = sel.lookup("moe.router_latent", tp=1, batch=3)
+    w = _weight(160, 256)
+    proj = DenseProjection.bind(choice, "moe.router_latent", w, tokens=3)
+    assert proj.family == "gemm.cublas" and proj.x_shape == (3, 256), proj
+    x = _x(3, 256)
+    assert relative_error(proj(x), _ref(x, w)) < 2e-2
+    for bad, msg in ((w.float(), "2-D bf16 weight, got .* torch.float32"), (w[None], "2-D bf16 weight, got \\[1, 160")):
+        with pytest.raises(ConfigError, match=msg):
+            DenseProjection.bind(choice, "moe.router_latent", bad, tokens=3)

@@ -59,9 +59,21 @@ class DenseProjection:
         if weight.dim() != 2 or tuple(weight.shape) != (want["N"], want["K"]) or weight.dtype != torch.bfloat16:
             raise ConfigError(f"{op} at tp {tp} takes a [{want['N']}, {want['K']}] bf16 weight, got "
                               f"{list(weight.shape)} {weight.dtype}")
+        return cls.bind(choice, op, weight, dep.tokens)
+
+    @classmethod
+    def bind(cls, choice, op: str, weight, tokens: int) -> DenseProjection:
+        """``choice`` (a selector's ``Choice`` for ``op``) built for ``tokens`` rows of x and bound to ``weight``
+        ([N, K] bf16), whatever its shape: for a caller that checked the weight against its own model (the MoE
+        block's ``RankWeights``). ``serve`` is this after the lookup and the check against the selector's model."""
+        import torch
+
+        if weight.dim() != 2 or weight.dtype != torch.bfloat16:
+            raise ConfigError(f"{op} takes a 2-D bf16 weight, got {list(weight.shape)} {weight.dtype}")
         if not weight.is_contiguous():
             raise ConfigError(f"{op}: the weight must be contiguous (row-major [N, K]), as the kernels read it")
-        problem = plans.Problem(op, "gemm", (("M", dep.tokens), ("N", want["N"]), ("K", want["K"])))
+        n, k = weight.shape
+        problem = plans.Problem(op, "gemm", (("M", tokens), ("N", n), ("K", k)))
         fam, how = family(choice.family), choice.source
         try:
             cfg = fam.config_from_params(problem, dict(choice.params))
@@ -83,7 +95,7 @@ class DenseProjection:
         inputs = fam.make_inputs(problem, weight.device, torch.Generator(device=weight.device).manual_seed(0))
         inputs["w"] = weight
         label = f"{fam.name} {json.dumps(cfg.params(), sort_keys=True)} ({how})"
-        return cls(op, label, fam.name, inputs, run, (dep.tokens, want["K"]))
+        return cls(op, label, fam.name, inputs, run, (tokens, k))
 
     @property
     def out(self):
