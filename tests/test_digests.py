@@ -24,10 +24,10 @@ PLUMBING = {("k3tune.kernels.gemm_smallm", "current_arch"), ("k3tune.kernels.moe
 # gaps found in session 12 (NOTES.md): closing one re-keys the winners it covers, so it lands with their re-sweep or
 # with bench/rekey_db.py where those winners provably ran the code the wider key covers (gemm_common, mxfp4 and the
 # hardware model were closed so)
-KNOWN_UNKEYED = {"moe.stock": {"k3tune.runtime.selector"},  # which dense kernels the block runs: the real dependency
-                                                           # is the served dense table (its kernels' code is keyed
-                                                           # through OpDef.runs, their winners are not)
-                 "moe.overlap": {"k3tune.runtime.selector"}}
+# which dense kernels the block runs: the real dependency is the served dense table (its kernels' code is keyed through
+# OpDef.runs, their winners are not); gemm_smallm through runtime.dense, for the GPU arch a served kernel builds for
+KNOWN_UNKEYED = {"moe.stock": {"k3tune.runtime.selector", "k3tune.kernels.gemm_smallm"},
+                 "moe.overlap": {"k3tune.runtime.selector", "k3tune.kernels.gemm_smallm"}}
 
 
 def _imports(module: str) -> set[tuple[str, str]]:

@@ -115,6 +115,26 @@ def test_tuned_path_runs_the_selectors_kernels_and_matches(tp, fmt):
     assert blk.ran["experts"].startswith("MXFP4" if fmt == "mxfp4" else "torch._grouped_mm")
 
 
+def test_a_dense_kernel_that_cannot_run_here_falls_back_to_cublas_and_the_block_says_so():
+    """The block's four dense GEMMs are served as DenseProjection serves them: the shipped H200 winners are CuTe
+    kernels, which cannot run on CPU tensors, so each falls back to cuBLAS, named in ``ran``, and the block matches."""
+    from k3tune.shipped import tuning_db_dir
+
+    shipped = Selector.load(tuning_db_dir() / "h200.sqlite", measured_on="h200")
+
+    class TP16Batch8:  # this small model's ops served the shipped TP16 batch-8 winners
+        def lookup(self, op, tp, batch, draft=0):
+            return shipped.lookup(op, 16, 8, 0)
+
+    w = random_weights(SMALL, 4, seed=3)
+    blk = MoEBlock.build(w, "tuned", batch=2, selector=TP16Batch8())
+    for op in ("moe.router_latent", "moe.latent_up", "moe.shared_w13", "moe.shared_w2"):
+        tuned = shipped.lookup(op, 16, 8, 0).family
+        assert tuned != "gemm.cublas", op  # else this test would not reach the fallback
+        assert blk.ran[op].startswith("gemm.cublas") and f"instead of {tuned}" in blk.ran[op], blk.ran[op]
+    _check(blk, w, 2)
+
+
 def test_emulated_collectives_follow_the_identical_shard_convention():
     comm = EmulatedComm(4)
     x = torch.arange(6.0).reshape(2, 3)

@@ -62,7 +62,8 @@ class _BlockOnGpu:
     the dense kernels it will be served with, and those come from the tuning database through the runtime
     selector; so measuring a block builds the runtime's executor (imported lazily, at measurement time)."""
     depends_on = ("k3tune.kernels.moe_experts", "k3tune.kernels.moe_experts_tc", "k3tune.kernels.l2_prefetch",
-                  "k3tune.runtime.moe", "k3tune.runtime.partition", "k3tune.kernels.mxfp4", "k3tune.plan.links")
+                  "k3tune.runtime.moe", "k3tune.runtime.dense", "k3tune.runtime.partition", "k3tune.kernels.mxfp4",
+                  "k3tune.plan.links")
 
     def runs_on(self, problem: Problem, backend: str) -> bool:
         # MXFP4 on a GPU: the tuned path's tensor-core kernels; the stock path runs bf16 only

@@ -52,6 +52,7 @@ from pathlib import Path
 from k3tune.errors import ConfigError
 from k3tune.kernels import moe_experts, moe_experts_tc, mxfp4
 from k3tune.kernels.l2_prefetch import prefetch
+from k3tune.runtime.dense import DenseProjection
 
 
 @dataclass(frozen=True)
@@ -337,18 +338,6 @@ _SPIN_CYCLES_PER_US = 1980  # torch.cuda._sleep spins in SM clock cycles; H200 b
 
 
 @dataclass
-class _Gemm:
-    """One dense GEMM bound to its weight and buffers, run through a kernel family's build()."""
-    op: str
-    label: str
-    inputs: dict
-    run: object
-
-    def __call__(self, x):
-        return self.run({**self.inputs, "x": x.contiguous()})  # no copy: the kernels take any aligned rows
-
-
-@dataclass
 class MoEBlock:
     """A per-rank MoE block for ``tokens`` tokens per step. Build with ``MoEBlock.build``."""
     weights: RankWeights
@@ -396,9 +385,9 @@ class MoEBlock:
                 raise ConfigError("the tuned path needs a runtime selector")
             for op, weight in (("moe.router_latent", w.w_rl), ("moe.latent_up", w.w_up),
                                ("moe.shared_w13", w.shared_w13), ("moe.shared_w2", w.shared_w2)):
-                blk._gemms[op] = _bind_gemm(selector, op, weight, tokens, batch, draft, w.tp, dev)
-                blk.ran[op] = blk._gemms[op].label
-            blk.ran["router_latent"] = blk._gemms["moe.router_latent"].label + ", split across ranks + all-gather"
+                blk._gemms[op] = DenseProjection.bind(selector.lookup(op, w.tp, batch, draft), op, weight, tokens)
+                blk.ran[op] = blk._gemms[op].ran
+            blk.ran["router_latent"] = blk._gemms["moe.router_latent"].ran + ", split across ranks + all-gather"
             if prefetch_mib > 0:
                 if not w.w_rl.is_cuda:
                     raise ConfigError("L2 prefetch needs a GPU")
@@ -669,28 +658,3 @@ def _rmsnorm(x, weight, eps: float):
 
     xf = x.float()
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
-
-
-def _bind_gemm(selector, op: str, weight, tokens: int, batch: int, draft: int, tp: int, device) -> _Gemm:
-    """The selector's kernel for ``op`` built for exactly ``tokens`` rows and bound to ``weight``. A tuned
-    config that does not fit this exact size (it was tuned for its bucket) gives the family's default, and
-    the label says so."""
-    import torch
-
-    from k3tune.errors import CannotImplement
-    from k3tune.kernels import family
-    from k3tune.plan.problems import Problem
-
-    choice = selector.lookup(op, tp, batch, draft)
-    n, k = weight.shape
-    problem = Problem(op, "gemm", (("M", tokens), ("N", n), ("K", k)))
-    fam = family(choice.family)
-    how = choice.source
-    try:
-        cfg = fam.config_from_params(problem, dict(choice.params))
-    except CannotImplement as e:
-        cfg, how = fam.default_config(problem), f"{choice.source}; default config ({e})"
-    inputs = fam.make_inputs(problem, device, torch.Generator(device=device).manual_seed(0))
-    inputs["w"] = weight
-    label = f"{fam.name} {json.dumps(cfg.params(), sort_keys=True)} ({how})"
-    return _Gemm(op, label, inputs, fam.build(problem, cfg))
