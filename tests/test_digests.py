@@ -25,7 +25,8 @@ PLUMBING = {("k3tune.kernels.gemm_smallm", "current_arch"), ("k3tune.kernels.moe
 # with bench/rekey_db.py where those winners provably ran the code the wider key covers (gemm_common, mxfp4 and the
 # hardware model were closed so)
 # which dense kernels the block runs: the real dependency is the served dense table (its kernels' code is keyed through
-# OpDef.runs, their winners are not); gemm_smallm through runtime.dense, for the GPU arch a served kernel builds for
+# OpDef.runs, their winners are not); gemm_smallm through runtime.dense, which imports the module to call only
+# current_arch (PLUMBING above, but the scan sees a module import as the whole module)
 KNOWN_UNKEYED = {"moe.stock": {"k3tune.runtime.selector", "k3tune.kernels.gemm_smallm"},
                  "moe.overlap": {"k3tune.runtime.selector", "k3tune.kernels.gemm_smallm"}}
 
