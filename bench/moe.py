@@ -245,10 +245,10 @@ def main() -> None:
 
 
 def served_knobs(sel, tp: int, batch: int, shared_sms: int | None = None, pdl: int | None = None,
-                 routed_on: str = "rest") -> dict:
+                 routed_on: str = "rest", prefetch_mib: int | None = None) -> dict:
     """The served moe.overlap choice's executor knobs with the SM split replaced (``shared_sms``: 0 = serial, else
     the shared experts on that many SMs and the routed experts on ``routed_on``: the rest, as an even split at half
-    the SMs is, or all) or ``pdl`` replaced; None keeps the choice's own."""
+    the SMs is, or all), ``pdl`` or ``prefetch_mib`` replaced; None keeps the choice's own."""
     import dataclasses
 
     from k3tune.errors import ConfigError
@@ -262,7 +262,32 @@ def served_knobs(sel, tp: int, batch: int, shared_sms: int | None = None, pdl: i
         cfg = dataclasses.replace(cfg, shared_sms=shared_sms, routed_on=routed_on if shared_sms else "all")
     if pdl is not None:
         cfg = dataclasses.replace(cfg, pdl=pdl)
+    if prefetch_mib is not None:
+        cfg = dataclasses.replace(cfg, prefetch_mib=prefetch_mib)
     return family("moe.overlap").block_knobs(cfg)
+
+
+def current_block_keys(src: str) -> str:
+    """A temporary copy of ``src`` whose moe.block winners carry this tree's op digest: the A/B scripts serve the
+    shipped knobs on kernel code changed since they were measured (a bench, never a database to ship; the caller
+    deletes the copy)."""
+    import os
+    import shutil
+    import sqlite3
+    import tempfile
+
+    from k3tune.kernels import op_digest
+
+    fd, path = tempfile.mkstemp(suffix=".sqlite")
+    os.close(fd)
+    shutil.copyfile(src, path)
+    con = sqlite3.connect(path)
+    with con:
+        n = con.execute("UPDATE winners SET op_digest = ? WHERE problem_id IN (SELECT id FROM problems WHERE "
+                        "op = 'moe.block')", (op_digest("moe.block", "gpu"),)).rowcount
+    con.close()
+    print(f"# {src}: {n} moe.block winners served on this tree's kernels (temporary copy)")
+    return path
 
 
 def summarize(rows: list[dict], sms_list: list[int], pf_list: list[int], fmt: str) -> dict:

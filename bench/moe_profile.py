@@ -7,7 +7,8 @@ side stream's overlap can be read off.
 
 --served profiles the block as serving builds it from the database's ``moe.block`` winner (every knob, the SM
 split included; --paths, --cfgs, --shared-sms and --prefetch-mib are then ignored); --served-pdl 0|1 the same knobs
-with PDL forced off or on.
+with PDL forced off or on, --served-prefetch MIB with that L2 prefetch size; --current-keys serves the shipped winners
+on this tree's code where it changed since they were measured.
 
 Runs from bench/ like bench/moe.py (uniform routing imposed, GB300 collective stand-ins).
 """
@@ -15,18 +16,19 @@ Runs from bench/ like bench/moe.py (uniform routing imposed, GB300 collective st
 from __future__ import annotations
 
 import argparse
+import os
 import random
 
 import torch
 
-from moe import served_knobs  # bench/moe.py (this script runs from bench/)
+from moe import current_block_keys, served_knobs  # bench/moe.py (this script runs from bench/)
 
 from k3tune.kernels.moe_experts import ExpertKernelConfig
 from k3tune.plan import model as models
 from k3tune.plan import routing as routings
 from k3tune.runtime import Selector
 from k3tune.runtime.moe import BlockShape, EmulatedComm, MoEBlock, random_weights
-from k3tune.shipped import configs_dir
+from k3tune.shipped import configs_dir, tuning_db_dir
 
 
 def main() -> None:
@@ -47,12 +49,25 @@ def main() -> None:
     ap.add_argument("--grep", default="", help="print only kernels whose name contains one of these (',')")
     ap.add_argument("--served-pdl", type=int, default=None, help="with --served: the winner's knobs with PDL forced "
                     "off (0) or on (1) instead of its own")
+    ap.add_argument("--served-prefetch", type=int, default=None, help="with --served: the winner's knobs with this "
+                    "L2 prefetch size (MiB) instead of its own")
+    ap.add_argument("--current-keys", action="store_true", help="serve the shipped winners on this tree's code even "
+                    "where it changed since they were measured (a temporary copy: moe.current_block_keys)")
     args = ap.parse_args()
+    db = current_block_keys(str(tuning_db_dir() / "h200.sqlite")) if args.current_keys else None
+    try:
+        profile(args, db)
+    finally:
+        if db:
+            os.unlink(db)
+
+
+def profile(args, db) -> None:
     from k3tune.runtime.partition import shared_partition
 
     sh = BlockShape.from_config(configs_dir() / "kimi_k3_config.json")
     model = args.model or ("kimi_k3_bf16_experts.json" if args.fmt == "bf16" else "kimi_k3_config.json")
-    sel = Selector.load(model=models.load(configs_dir() / model), routing=args.routing)
+    sel = Selector.load(db, model=models.load(configs_dir() / model), routing=args.routing)
     # shared on n SMs, routed on the rest (--served takes the split from the winner instead)
     split = shared_partition(args.shared_sms) if args.shared_sms and not args.served else None
     layers = [random_weights(sh, args.tp, fmt=args.fmt, device="cuda", seed=i) for i in range(4)]
@@ -66,14 +81,15 @@ def main() -> None:
         for path, cfg in runs:
             comm = EmulatedComm(args.tp) if args.link == "none" else EmulatedComm.for_target(args.link, args.tp)
             if path == "served":
-                if args.served_pdl is None:
+                if args.served_pdl is None and args.served_prefetch is None:
                     blocks = [MoEBlock.serve(w, sel, batch, comm=comm) for w in layers]
+                    label = blocks[0].ran["block"]
                 else:
-                    knobs = served_knobs(sel, args.tp, batch, pdl=args.served_pdl)
+                    knobs = served_knobs(sel, args.tp, batch, pdl=args.served_pdl, prefetch_mib=args.served_prefetch)
                     blocks = [MoEBlock.build(w, "tuned", batch=batch, selector=sel, comm=comm, **knobs)
                               for w in layers]
-                label = (blocks[0].ran["block"] if args.served_pdl is None
-                         else f"the served knobs, PDL {args.served_pdl}: {knobs}")
+                    label = (f"the served knobs, PDL {args.served_pdl}, prefetch {args.served_prefetch} MiB "
+                             f"(None: the winner's own): {knobs}")
                 print(f"\n# served: {label}; shared {blocks[0].ran['shared']}")
             else:
                 blocks = [MoEBlock.build(w, path, batch=batch, selector=sel, prefetch_mib=args.prefetch_mib,

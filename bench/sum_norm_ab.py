@@ -15,15 +15,12 @@ The ``c1`` variant is the same blocks with ``sum_norm_layout`` forced to one CTA
 
 import argparse
 import os
-import shutil
-import sqlite3
-import tempfile
 
 import torch
 from gemm import copy_bandwidth  # bench/gemm.py (this script runs from bench/)
-from moe import ServedPoint, ab_cells, alternate
+from moe import ServedPoint, ab_cells, alternate, current_block_keys
 
-from k3tune.kernels import moe_experts, op_digest
+from k3tune.kernels import moe_experts
 from k3tune.runtime.moe import BlockShape, MoEBlock
 from k3tune.shipped import configs_dir, tuning_db_dir
 
@@ -46,20 +43,6 @@ class OneCtaAToken:
             return self.blk(x)
         finally:
             moe_experts.sum_norm_layout = saved
-
-
-def current_block_keys(src: str) -> str:
-    """A temporary copy of ``src`` whose moe.block winners carry this tree's op digest (see the module doc)."""
-    fd, path = tempfile.mkstemp(suffix=".sqlite")
-    os.close(fd)
-    shutil.copyfile(src, path)
-    con = sqlite3.connect(path)
-    with con:
-        n = con.execute("UPDATE winners SET op_digest = ? WHERE problem_id IN (SELECT id FROM problems WHERE "
-                        "op = 'moe.block')", (op_digest("moe.block", "gpu"),)).rowcount
-    con.close()
-    print(f"# {src}: {n} moe.block winners served on this tree's kernels (temporary copy)")
-    return path
 
 
 def main() -> None:
