@@ -681,6 +681,36 @@ def test_whole_knobs_are_tried_at_every_value_on_each_winner(tmp_path):
         sp("split_k")
 
 
+def test_neighbours_zero_keeps_the_passes_to_the_winners_own_moves(tmp_path):
+    """``[search] neighbours = 0``: the polish passes try no other problem's winner, only the winner's own ``whole``
+    moves (a cheap re-decide of a few knobs): on the simulated smoke spec, where the default passes change winners
+    with their neighbours' (see above), they try nothing without ``whole``, and with it leave no whole move untried.
+    A negative count is a one-line error; a spec that leaves it unset keeps its digest."""
+    import dataclasses
+
+    from k3tune.errors import ConfigError
+    from k3tune.search.polish import whole_moves
+
+    sp = spec.load("smoke")
+    alone = dataclasses.replace(sp, search=dataclasses.replace(sp.search, neighbours=0))
+    st = run_sweep(_opts(store_db.open_db(str(tmp_path / "alone.sqlite")), alone))
+    assert st.problems_done == st.problems_total and not st.no_winner
+    assert st.polish_passes == 0 and st.polished == 0, st
+
+    def small(**search):
+        return spec.from_dict({"matrix": {"tp": [16], "batch": [1, 8], "ops": ["kda.o_proj"]},
+                               "buckets": {"tokens": [1, 8], "batch": [1, 8], "query_len": [1]},
+                               "search": {"budget": 6, "samples": 5, "remeasure_top": 2, "polish": 8, **search}})
+
+    db = store_db.open_db(str(tmp_path / "whole.sqlite"))
+    st = run_sweep(_opts(db, small(whole=["split_k"], neighbours=0), workers=2))
+    assert st.problems_done == st.problems_total == 2 and st.polish_passes >= 1
+    assert _winner_moves_tried(db, lambda f, p, prm: whole_moves(f, p, prm, ("split_k",)))[0] == 0
+    assert small().digest() == small(neighbours=4).digest() != small(neighbours=0).digest()
+    with pytest.raises(ConfigError, match="neighbours >= 0"):
+        small(neighbours=-1)
+
+
 def test_whole_moves_set_one_knob_to_each_other_declared_value():
     from k3tune.search.polish import whole_moves
 

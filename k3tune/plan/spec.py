@@ -35,6 +35,9 @@ class SearchSettings:
     # space (a hill climb over the passes; H200, session 17: the search's ~20 trials a problem kept a 6-stage ring
     # where the same layout with 4 stages ran 1.26x faster). A climb the pass limit cuts short goes on in the next
     # run of the spec, so such a rerun is not free (simulated H200 dense spec: 8 passes, +33% trials)
+    neighbours: int = 4  # the polish passes try the winners of this many nearest problems of the same op, and those
+    # of other ops of its shape or token count; 0: only the winner's own moves (``local``, ``whole``), for a re-decide
+    # that keeps the kernels' tiles and revisits a few knobs (a change to the block's code re-keys all 56 block winners)
     whole: tuple[str, ...] = ()  # knobs whose every declared value the polish passes try on each problem's winner,
     # the rest of it unchanged (one step is too short for a knob whose values are alternatives, not a scale: the SM
     # split's 0 -> 8 shared SMs says little of 32; H200 s35-r6: a serial MXFP4 block winner's knobs on a 32-SM split
@@ -59,8 +62,9 @@ class SweepSpec:
 
     def digest(self) -> str:
         d = asdict(self)
-        if not d["search"]["whole"]:  # a spec without it keeps the digest its runs recorded before it existed
-            del d["search"]["whole"]
+        for knob, unset in (("whole", []), ("neighbours", 4)):  # a spec that leaves it unset keeps the digest its
+            if d["search"][knob] == unset:  # runs recorded before the setting existed
+                del d["search"][knob]
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -160,9 +164,10 @@ def from_dict(raw: dict, name: str = "spec") -> SweepSpec:
     if search.whole and search.polish < 1:
         raise ConfigError(f"{where}: [search] whole is tried by the polish passes: it needs polish >= 1")
     if (search.budget < 1 or search.samples < 3 or search.patience < 1 or search.remeasure_top < 1
-            or search.polish < 0 or not 0 <= search.safe_margin_pct <= 50 or search.local not in (0, 1)):
+            or search.polish < 0 or not 0 <= search.safe_margin_pct <= 50 or search.local not in (0, 1)
+            or search.neighbours < 0):
         raise ConfigError(f"{where}: [search] needs budget >= 1, samples >= 3, patience >= 1, remeasure_top >= 1, "
-                          f"polish >= 0, 0 <= safe_margin_pct <= 50, local 0 or 1")
+                          f"polish >= 0, 0 <= safe_margin_pct <= 50, local 0 or 1, neighbours >= 0")
     ops = m.get("ops")
     if ops is not None and (not isinstance(ops, list) or not all(isinstance(o, str) for o in ops)):
         raise ConfigError(f"{where}: 'ops' must be a list of op names")

@@ -361,7 +361,9 @@ def _run_phase(opt: SweepOptions, plan: plans.Plan, t_start: float) -> SweepStat
             moved = [(p, fam, prm) for q, fam, params in mine if fam in fams
                      for prm in ((polish.local_moves(fams[fam], p, params) if search.local else [])
                                  + polish.whole_moves(fams[fam], p, params, search.whole))]
-        return mine + moved + same_shape + others[:polish.NEIGHBOURS] + at_m[:polish.CROSS_OP]
+        if not search.neighbours:  # only the winner's own moves
+            return mine + moved
+        return mine + moved + same_shape + others[:search.neighbours] + at_m[:polish.CROSS_OP]
 
     def warm(p: plans.Problem) -> list[tuple[str, dict, plans.Problem]]:
         """``near_winners`` as warm starts: (family, params, the problem it won on)."""

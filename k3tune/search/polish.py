@@ -27,7 +27,6 @@ from k3tune.store import records
 from k3tune.store.db import Database
 from k3tune.store.models import Backend, Winner
 
-NEIGHBOURS = 4  # a pass tries the winners of this many nearest problems of the same op (and of every same-shape op)
 CROSS_OP = 2  # ... and of this many other ops nearest in shape at the same token count
 CLAIM_PREFIX = "polish:"  # a pass's claims are keyed CLAIM_PREFIX + the digest of what it will try
 
