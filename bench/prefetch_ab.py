@@ -6,9 +6,11 @@ whose first ~4 us spin the routed all-reduce's stand-in while HBM idles; the den
 M = 1 (0.37 of its 0.76 us floor). Read from L2 it should take ~1 us less. Until session 43 the prefetch was issued
 during routing, where the routed experts' reads evicted it (0 MiB chosen at all 56 block winners).
 
-Until the blocks are decided again on it, the change lives in ``bench/results/2026-12-05-s43-prefetch-at-allreduce.patch``
-(``git apply`` it; without it this script measures the placement during routing). The shipped database's block winners
-were measured before this change, so on the patched tree they read as stale; as in
+Refuted (s43-r2, H200): 0.98-1.00x at bf16 TP16 b1/b64, TP8 b1, MXFP4 TP16 b1, TP8 b8; the up-projection still ends
+~1.9 us after the norm with its weights in L2 (it is latency-bound at 3-6 MB, not HBM-bound). The change was never
+merged: it is ``bench/results/2026-12-05-s43-prefetch-at-allreduce.patch`` (``git apply`` it to measure it again;
+without it this script measures the placement during routing). The shipped database's block winners were measured
+before the change, so on the patched tree they read as stale; as in
 ``sum_norm_ab.py`` a temporary copy with this tree's digests serves the same knobs (never a database to ship). The
 variants differ in ``prefetch_mib`` only (``pf0`` is the served knobs with the prefetch off); a prefetch changes no
 number, so their outputs are checked against pf0's (and said whether bit-equal).
