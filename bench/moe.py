@@ -267,6 +267,31 @@ def served_knobs(sel, tp: int, batch: int, shared_sms: int | None = None, pdl: i
     return family("moe.overlap").block_knobs(cfg)
 
 
+def served_ab_points(points: str, src_db: str, layers: int, legend: str):
+    """The served-block A/B scripts' loop: yields (ServedPoint, its served blocks, one a layer) per format:tp:batch of
+    ``points``, the shipped winners served on this tree's code (``current_block_keys``: the temporary copy is deleted
+    at the end), after a header line that ends with ``legend``; a point not served as the measured winner on the CuTe
+    expert kernels stops the run."""
+    import os
+
+    db = current_block_keys(src_db)
+    try:
+        sh = BlockShape.from_config(configs_dir() / "kimi_k3_config.json")
+        bw = copy_bandwidth()
+        print(f"# {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s; served knobs, uniform routing, "
+              f"stand-ins timed by gb300 NVLink; {legend}")
+        for point in points.split(","):
+            pt = ServedPoint.make(point, sh, bw, db, layers)
+            served = [MoEBlock.serve(w, pt.sel, pt.batch, comm=pt.comm) for w in pt.layers]
+            if "(measured)" not in served[0].ran["block"] or served[0]._cache.get("experts") != "cute":
+                raise SystemExit(f"{point}: not the measured winner on the CuTe kernels: {served[0].ran['block']}")
+            yield pt, served
+            del served, pt
+            torch.cuda.empty_cache()
+    finally:
+        os.unlink(db)
+
+
 def current_block_keys(src: str) -> str:
     """A temporary copy of ``src`` whose moe.block winners carry this tree's op digest: the A/B scripts serve the
     shipped knobs on kernel code changed since they were measured (a bench, never a database to ship; the caller

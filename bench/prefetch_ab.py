@@ -21,14 +21,12 @@ number, so their outputs are checked against pf0's (and said whether bit-equal).
 from __future__ import annotations
 
 import argparse
-import os
 
 import torch
-from gemm import copy_bandwidth  # bench/gemm.py (this script runs from bench/)
-from moe import ServedPoint, ab_cells, alternate, current_block_keys, served_knobs
+from moe import ab_cells, alternate, served_ab_points, served_knobs  # bench/moe.py (this script runs from bench/)
 
-from k3tune.runtime.moe import BlockShape, MoEBlock
-from k3tune.shipped import configs_dir, tuning_db_dir
+from k3tune.runtime.moe import MoEBlock
+from k3tune.shipped import tuning_db_dir
 
 
 def main() -> None:
@@ -42,40 +40,28 @@ def main() -> None:
     args = ap.parse_args()
     sizes = [0] + [int(v) for v in args.mib.split(",")]
 
-    db = current_block_keys(args.db)
-    try:
-        sh = BlockShape.from_config(configs_dir() / "kimi_k3_config.json")
-        bw = copy_bandwidth()
-        print(f"# {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s; served knobs, uniform routing, "
-              f"stand-ins timed by gb300 NVLink; pfN = N MiB of w_up prefetched during the routed all-reduce")
-        for point in args.points.split(","):
-            pt = ServedPoint.make(point, sh, bw, db, args.layers)
-            served = MoEBlock.serve(pt.layers[0], pt.sel, pt.batch, comm=pt.comm)
-            if "(measured)" not in served.ran["block"] or served._cache.get("experts") != "cute":
-                raise SystemExit(f"{point}: not the measured winner on the CuTe kernels: {served.ran['block']}")
-            blocks = {}
-            for mib in sizes:
-                knobs = served_knobs(pt.sel, pt.tp, pt.batch, prefetch_mib=mib)
-                blocks[f"pf{mib}"] = [MoEBlock.build(w, "tuned", pt.batch, selector=pt.sel, comm=pt.comm, **knobs)
-                                      for w in pt.layers]
-                for b in blocks[f"pf{mib}"]:
-                    b.force_top = pt.top
-                if mib and not blocks[f"pf{mib}"][0].ran["prefetch"].startswith(f"{mib} MiB"):
-                    raise SystemExit(f"{point}: pf{mib} did not prefetch: {blocks[f'pf{mib}'][0].ran['prefetch']}")
-            ref = blocks["pf0"][0](pt.x).clone()
-            same = []
-            for v, blk in blocks.items():
-                out = blk[0](pt.x)
-                if not torch.allclose(out.float(), ref.float(), rtol=1e-2, atol=1e-2):
-                    raise SystemExit(f"{point}: {v} differs from pf0 (max {(out.float() - ref.float()).abs().max()})")
-                same.append(torch.equal(out, ref))
-            meds = alternate(blocks, pt.x, args.rounds, args.samples)
-            print(pt.label() + " | " + " | ".join(ab_cells(meds, "pf0", pt.floor_us)) +
-                  f" | bit-equal to pf0: {all(same)} | shared: {served.ran.get('shared')}", flush=True)
-            del blocks, served, pt
-            torch.cuda.empty_cache()
-    finally:
-        os.unlink(db)
+    for pt, served in served_ab_points(args.points, args.db, args.layers,
+                                       "pfN = N MiB of w_up prefetched during the routed all-reduce"):
+        blocks = {}
+        for mib in sizes:
+            knobs = served_knobs(pt.sel, pt.tp, pt.batch, prefetch_mib=mib)
+            blocks[f"pf{mib}"] = [MoEBlock.build(w, "tuned", pt.batch, selector=pt.sel, comm=pt.comm, **knobs)
+                                  for w in pt.layers]
+            for b in blocks[f"pf{mib}"]:
+                b.force_top = pt.top
+            if mib and not blocks[f"pf{mib}"][0].ran["prefetch"].startswith(f"{mib} MiB"):
+                raise SystemExit(f"{pt.label()}: pf{mib} did not prefetch: {blocks[f'pf{mib}'][0].ran['prefetch']}")
+        ref = blocks["pf0"][0](pt.x).clone()
+        same = []
+        for v, blk in blocks.items():
+            out = blk[0](pt.x)
+            if not torch.allclose(out.float(), ref.float(), rtol=1e-2, atol=1e-2):
+                raise SystemExit(f"{pt.label()}: {v} differs from pf0 (max {(out.float() - ref.float()).abs().max()})")
+            same.append(torch.equal(out, ref))
+        meds = alternate(blocks, pt.x, args.rounds, args.samples)
+        print(pt.label() + " | " + " | ".join(ab_cells(meds, "pf0", pt.floor_us)) +
+              f" | bit-equal to pf0: {all(same)} | shared: {served[0].ran.get('shared')}", flush=True)
+        del blocks, served, pt  # before the next point's weights are made
 
 
 if __name__ == "__main__":

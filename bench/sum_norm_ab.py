@@ -14,15 +14,13 @@ The ``c1`` variant is the same blocks with ``sum_norm_layout`` forced to one CTA
 """
 
 import argparse
-import os
 
 import torch
-from gemm import copy_bandwidth  # bench/gemm.py (this script runs from bench/)
-from moe import ServedPoint, ab_cells, alternate, current_block_keys
+from moe import ab_cells, alternate, served_ab_points  # bench/moe.py (this script runs from bench/)
 
 from k3tune.kernels import moe_experts
-from k3tune.runtime.moe import BlockShape, MoEBlock
-from k3tune.shipped import configs_dir, tuning_db_dir
+from k3tune.runtime.moe import MoEBlock
+from k3tune.shipped import tuning_db_dir
 
 
 def one_cta_a_token(n: int, slices: int) -> tuple[int, int, int]:
@@ -54,32 +52,20 @@ def main() -> None:
     ap.add_argument("--db", default=str(tuning_db_dir() / "h200.sqlite"))
     args = ap.parse_args()
 
-    db = current_block_keys(args.db)
-    try:
-        sh = BlockShape.from_config(configs_dir() / "kimi_k3_config.json")
-        bw = copy_bandwidth()
-        print(f"# {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s; served blocks, uniform routing, "
-              f"stand-ins timed by gb300 NVLink; c1 = the norm kernel on one CTA a token")
-        for point in args.points.split(","):
-            pt = ServedPoint.make(point, sh, bw, db, args.layers)
-            served = [MoEBlock.serve(w, pt.sel, pt.batch, comm=pt.comm) for w in pt.layers]
-            if "(measured)" not in served[0].ran["block"] or served[0]._cache.get("experts") != "cute":
-                raise SystemExit(f"{point}: not the measured winner on the CuTe kernels: {served[0].ran['block']}")
-            old = [MoEBlock.serve(w, pt.sel, pt.batch, comm=pt.comm) for w in pt.layers]
-            for b in served + old:
-                b.force_top = pt.top
-            blocks = {"cluster": served, "c1": [OneCtaAToken(b) for b in old]}
-            ref, out = blocks["cluster"][0](pt.x).clone(), blocks["c1"][0](pt.x)
-            if not torch.allclose(out.float(), ref.float(), rtol=2e-2, atol=2e-2):
-                raise SystemExit(f"{point}: the two layouts disagree (max {(out.float() - ref.float()).abs().max()})")
-            meds = alternate(blocks, pt.x, args.rounds, args.samples)
-            layout = moe_experts.sum_norm_layout(sh.latent, pt.tp)
-            print(pt.label() + " | " + " | ".join(ab_cells(meds, "c1", pt.floor_us)) +
-                  f" | cluster layout {layout} | shared: {served[0].ran.get('shared')}", flush=True)
-            del blocks, served, old, pt
-            torch.cuda.empty_cache()
-    finally:
-        os.unlink(db)
+    for pt, served in served_ab_points(args.points, args.db, args.layers,
+                                       "c1 = the norm kernel on one CTA a token"):
+        old = [MoEBlock.serve(w, pt.sel, pt.batch, comm=pt.comm) for w in pt.layers]
+        for b in served + old:
+            b.force_top = pt.top
+        blocks = {"cluster": served, "c1": [OneCtaAToken(b) for b in old]}
+        ref, out = blocks["cluster"][0](pt.x).clone(), blocks["c1"][0](pt.x)
+        if not torch.allclose(out.float(), ref.float(), rtol=2e-2, atol=2e-2):
+            raise SystemExit(f"{pt.label()}: the two layouts disagree (max {(out.float() - ref.float()).abs().max()})")
+        meds = alternate(blocks, pt.x, args.rounds, args.samples)
+        layout = moe_experts.sum_norm_layout(pt.layers[0].shape.latent, pt.tp)
+        print(pt.label() + " | " + " | ".join(ab_cells(meds, "c1", pt.floor_us)) +
+              f" | cluster layout {layout} | shared: {served[0].ran.get('shared')}", flush=True)
+        del blocks, old, served, pt  # before the next point's weights are made
 
 
 if __name__ == "__main__":
