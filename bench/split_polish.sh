@@ -14,7 +14,7 @@
 # FMT:TP:ROUTING@M,M... redoes only those batch sizes' blocks (always, RESUME or not); the bench serves all of them.
 # GPUS=N sweeps on N GPUs (a multi-GPU kind; default 1); the bench runs on the first. WHOLE='"shared_sms", "routed_on",
 # "prefetch_mib"' replaces the spec's `whole` list (the knobs whose every value the polish tries on each winner);
-# NEIGHBOURS=0 BUDGET=4 make it a cheap re-decide: each block's old winner (after the two families' defaults) and one
+# NEIGHBOURS=0 BUDGET=4 make it a cheap re-decide: each block's old winner (after the families' defaults) and one
 # more trial, then only the whole moves of the winner, no neighbouring block's winner ([search] neighbours, budget).
 set -uo pipefail
 source .carry/cutedsl/unpack.sh || exit 1
@@ -35,7 +35,8 @@ for point in "$@"; do
   sed -e "s/^name = .*/name = \"h200_moe_split_$(echo $tag | tr - _)\"/" -e "s/^tp = .*/tp = [$tp]/" \
     -e "s/^routing = .*/routing = \"$routing\"/" -e "s/^config = .*/config = \"$model\"/" \
     ${WHOLE:+-e "s/^whole = .*/whole = [$WHOLE]/"} ${BUDGET:+-e "s/^budget = .*/budget = $BUDGET/"} \
-    ${NEIGHBOURS:+-e "s/^polish = \(.*\)/polish = \1\nneighbours = $NEIGHBOURS/"} configs/sweep_h200_moe_mxfp4_split.toml > $spec
+    ${NEIGHBOURS:+-e "s/^polish = \(.*\)/polish = \1\nneighbours = $NEIGHBOURS/"} \
+    configs/sweep_h200_moe_mxfp4_split.toml > $spec
   patterns=()
   for m in ${batches//,/ }; do patterns+=("moe.block[tp=$tp,M=$m,%format=$fmt,routing=$routing]"); done
   [ -z "$batches" ] && patterns=("moe.block[tp=$tp,%format=$fmt,routing=$routing]")

@@ -27,7 +27,8 @@ from k3tune.store import records
 from k3tune.store.db import Database
 from k3tune.store.models import Backend, Winner
 
-CROSS_OP = 2  # ... and of this many other ops nearest in shape at the same token count
+CROSS_OP = 2  # a pass tries the winners of this many other ops nearest in shape at the same token count too (beside
+# ``[search] neighbours`` nearest problems of the same op and every same-shape op; none of them with neighbours = 0)
 CLAIM_PREFIX = "polish:"  # a pass's claims are keyed CLAIM_PREFIX + the digest of what it will try
 
 
