@@ -44,9 +44,12 @@ def main() -> None:
                                        "pfN = N MiB of w_up prefetched during the routed all-reduce"):
         blocks = {}
         for mib in sizes:
-            knobs = served_knobs(pt.sel, pt.tp, pt.batch, prefetch_mib=mib)
-            blocks[f"pf{mib}"] = [MoEBlock.build(w, "tuned", pt.batch, selector=pt.sel, comm=pt.comm, **knobs)
-                                  for w in pt.layers]
+            if mib == 0 and served[0].ran["prefetch"] == "off":
+                blocks["pf0"] = served  # the winner's knobs already have the prefetch off: no second build
+            else:
+                knobs = served_knobs(pt.sel, pt.tp, pt.batch, prefetch_mib=mib)
+                blocks[f"pf{mib}"] = [MoEBlock.build(w, "tuned", pt.batch, selector=pt.sel, comm=pt.comm, **knobs)
+                                      for w in pt.layers]
             for b in blocks[f"pf{mib}"]:
                 b.force_top = pt.top
             if mib and not blocks[f"pf{mib}"][0].ran["prefetch"].startswith(f"{mib} MiB"):
