@@ -77,13 +77,14 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=15)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--db", default=str(tuning_db_dir() / "h200.sqlite"))
+    ap.add_argument("--measured-on", default=None, help="serve this GPU's winners (e.g. h200) on the card at hand")
     args = ap.parse_args()
     variants = args.variants.split(",")
     if not set(variants) <= set(SWITCHES):
         raise SystemExit(f"--variants: {args.variants!r}; known: {', '.join(SWITCHES)}")
 
     for pt, served in served_ab_points(args.points, args.db, args.layers,
-                                       "early = W2_EARLY_L2, redux = ROUTE_REDUX, both"):
+                                       "early = W2_EARLY_L2, redux = ROUTE_REDUX, both", args.measured_on):
         for b in served:  # the router's own choices (random weights: near uniform), not pt.top: an imposed
             b.force_top = None  # routing runs the route kernel's forced branch, which ``redux`` leaves alone
         blocks = {"off": served, **{v: [Switched(b, SWITCHES[v]) for b in served] for v in variants}}

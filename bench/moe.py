@@ -74,11 +74,14 @@ class ServedPoint:
     comm: EmulatedComm
 
     @classmethod
-    def make(cls, point: str, sh: BlockShape, bw: float, db: str | None, layers: int) -> ServedPoint:
+    def make(cls, point: str, sh: BlockShape, bw: float, db: str | None, layers: int,
+             measured_on: str | None = None) -> ServedPoint:
+        """``measured_on`` (e.g. 'h200'): serve that GPU's winners from ``db`` on whatever GPU this runs on (an A/B
+        of a code change on another card, labelled by the header's device name; never a tuning result)."""
         fmt, tp, batch = point.split(":")
         tp, batch = int(tp), int(batch)
         model = "kimi_k3_config.json" if fmt == "mxfp4" else "kimi_k3_bf16_experts.json"
-        sel = Selector.load(db, model=models.load(configs_dir() / model), routing="uniform")
+        sel = Selector.load(db, model=models.load(configs_dir() / model), routing="uniform", measured_on=measured_on)
         weights = [random_weights(sh, tp, fmt=fmt, device="cuda", seed=i) for i in range(layers)]
         ids = routings.sample("uniform", sh.experts, sh.top_k, batch, random.Random(batch))
         top = torch.tensor(ids, device="cuda", dtype=torch.int32)
@@ -267,7 +270,7 @@ def served_knobs(sel, tp: int, batch: int, shared_sms: int | None = None, pdl: i
     return family("moe.overlap").block_knobs(cfg)
 
 
-def served_ab_points(points: str, src_db: str, layers: int, legend: str):
+def served_ab_points(points: str, src_db: str, layers: int, legend: str, measured_on: str | None = None):
     """The served-block A/B scripts' loop: yields (ServedPoint, its served blocks, one a layer) per format:tp:batch of
     ``points``, the shipped winners served on this tree's code (``current_block_keys``: the temporary copy is deleted
     at the end), after a header line that ends with ``legend``; a point not served as the measured winner on the CuTe
@@ -278,10 +281,11 @@ def served_ab_points(points: str, src_db: str, layers: int, legend: str):
     try:
         sh = BlockShape.from_config(configs_dir() / "kimi_k3_config.json")
         bw = copy_bandwidth()
-        print(f"# {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s; served knobs, uniform routing, "
+        knobs = f"{measured_on}'s served knobs" if measured_on else "served knobs"
+        print(f"# {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s; {knobs}, uniform routing, "
               f"stand-ins timed by gb300 NVLink; {legend}")
         for point in points.split(","):
-            pt = ServedPoint.make(point, sh, bw, db, layers)
+            pt = ServedPoint.make(point, sh, bw, db, layers, measured_on)
             served = [MoEBlock.serve(w, pt.sel, pt.batch, comm=pt.comm) for w in pt.layers]
             if "(measured)" not in served[0].ran["block"] or served[0]._cache.get("experts") != "cute":
                 raise SystemExit(f"{point}: not the measured winner on the CuTe kernels: {served[0].ran['block']}")

@@ -54,6 +54,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--spin", action="store_true", help="first the spin kernel alone (the SM clock it spins at)")
     ap.add_argument("--db", default=str(tuning_db_dir() / "h200.sqlite"))
+    ap.add_argument("--measured-on", default=None, help="serve this GPU's winners (e.g. h200) on the card at hand")
     args = ap.parse_args()
     lats = [float(v) for v in args.lat.split(",")]
     if links.LATENCY_US not in lats or len(lats) < 2:
@@ -63,7 +64,7 @@ def main() -> None:
 
     for pt, served in served_ab_points(args.points, args.db, args.layers,
                                        "latN = the stand-ins' start-up latency N us (the model's: "
-                                       f"{links.LATENCY_US:.0f})"):
+                                       f"{links.LATENCY_US:.0f})", args.measured_on):
         blocks = {}
         for lat in lats:
             if lat == links.LATENCY_US:
