@@ -12,8 +12,9 @@ side by side with the shipped knobs in one run (the router's own choices on rand
 
 Each variant changes kernels of the CUDA-core expert path (the MXFP4 tensor-core experts never read ``early``); each
 point says which switched kernels ran (w2 early, route redux). Outputs must be bit-equal to ``off``'s: neither
-change alters a number. The served knobs on this tree's code, as in sum_norm_ab.py (a temporary copy of the
-database, never one to ship).
+change alters a number. The roofline column's floor counts the experts of the point's imposed uniform routing
+(the router's own choices touch as many at b1; at larger batches the count may differ a little). The served knobs
+on this tree's code, as in sum_norm_ab.py (a temporary copy of the database, never one to ship).
 
 Until the switches land, they are ``bench/results/2026-12-05-s44-chain-staged.patch`` (``git apply`` it first).
 
@@ -25,10 +26,9 @@ from __future__ import annotations
 import argparse
 
 import torch
-from moe import ab_cells, alternate, served_ab_points  # bench/moe.py (this script runs from bench/)
+from moe import ab_cells, alternate, served_ab_args, served_ab_points  # bench/moe.py (this script runs from bench/)
 
 from k3tune.kernels import moe_experts
-from k3tune.shipped import tuning_db_dir
 
 SWITCHES = {"early": ("W2_EARLY_L2",), "redux": ("ROUTE_REDUX",), "both": ("W2_EARLY_L2", "ROUTE_REDUX")}
 
@@ -71,20 +71,14 @@ def switched_kernels(blk, x) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--points", default="bf16:16:1,bf16:8:1,bf16:16:8,mxfp4:16:1")
+    served_ab_args(ap, "bf16:16:1,bf16:8:1,bf16:16:8,mxfp4:16:1")
     ap.add_argument("--variants", default="early,redux,both")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--samples", type=int, default=15)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--db", default=str(tuning_db_dir() / "h200.sqlite"))
-    ap.add_argument("--measured-on", default=None, help="serve this GPU's winners (e.g. h200) on the card at hand")
     args = ap.parse_args()
     variants = args.variants.split(",")
     if not set(variants) <= set(SWITCHES):
         raise SystemExit(f"--variants: {args.variants!r}; known: {', '.join(SWITCHES)}")
 
-    for pt, served in served_ab_points(args.points, args.db, args.layers,
-                                       "early = W2_EARLY_L2, redux = ROUTE_REDUX, both", args.measured_on):
+    for pt, served in served_ab_points(args, "early = W2_EARLY_L2, redux = ROUTE_REDUX, both"):
         for b in served:  # the router's own choices (random weights: near uniform), not pt.top: an imposed
             b.force_top = None  # routing runs the route kernel's forced branch, which ``redux`` leaves alone
         blocks = {"off": served, **{v: [Switched(b, SWITCHES[v]) for b in served] for v in variants}}

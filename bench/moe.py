@@ -40,7 +40,7 @@ from k3tune.plan import routing as routings
 from k3tune.runtime import Selector
 from k3tune.runtime.moe import BlockShape, EmulatedComm, MoEBlock, random_weights
 from k3tune.search.measure_gpu import time_graph
-from k3tune.shipped import configs_dir
+from k3tune.shipped import configs_dir, tuning_db_dir
 
 
 def block_bytes(sh: BlockShape, tp: int, path: str, fmt: str, touched: int, tokens: int) -> int:
@@ -270,11 +270,22 @@ def served_knobs(sel, tp: int, batch: int, shared_sms: int | None = None, pdl: i
     return family("moe.overlap").block_knobs(cfg)
 
 
-def served_ab_points(points: str, src_db: str, layers: int, legend: str, measured_on: str | None = None):
+def served_ab_args(ap: argparse.ArgumentParser, points: str) -> None:
+    """The served-block A/B scripts' shared options (``served_ab_points`` reads them)."""
+    ap.add_argument("--points", default=points, help="format:tp:batch, comma-separated")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--samples", type=int, default=15)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--db", default=str(tuning_db_dir() / "h200.sqlite"))
+    ap.add_argument("--measured-on", default=None, help="serve this GPU's winners (e.g. h200) on the card at hand")
+
+
+def served_ab_points(args: argparse.Namespace, legend: str):
     """The served-block A/B scripts' loop: yields (ServedPoint, its served blocks, one a layer) per format:tp:batch of
-    ``points``, the shipped winners served on this tree's code (``current_block_keys``: the temporary copy is deleted
-    at the end), after a header line that ends with ``legend``; a point not served as the measured winner on the CuTe
-    expert kernels stops the run."""
+    ``args.points`` (options from ``served_ab_args``), the winners of ``args.db`` served on this tree's code
+    (``current_block_keys``: the temporary copy is deleted at the end), after a header line that ends with ``legend``;
+    a point not served as the measured winner on the CuTe expert kernels stops the run."""
+    points, src_db, layers, measured_on = args.points, args.db, args.layers, args.measured_on
     import os
 
     db = current_block_keys(src_db)

@@ -23,25 +23,20 @@ from __future__ import annotations
 import argparse
 
 import torch
-from moe import ab_cells, alternate, served_ab_points, served_knobs  # bench/moe.py (this script runs from bench/)
+from moe import (ab_cells, alternate, served_ab_args, served_ab_points,  # bench/moe.py (run from bench/)
+                 served_knobs)
 
 from k3tune.runtime.moe import MoEBlock
-from k3tune.shipped import tuning_db_dir
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--points", default="bf16:16:1,mxfp4:16:1,bf16:8:1,mxfp4:8:1,bf16:16:8,mxfp4:8:64")
+    served_ab_args(ap, "bf16:16:1,mxfp4:16:1,bf16:8:1,mxfp4:8:1,bf16:16:8,mxfp4:8:64")
     ap.add_argument("--mib", default="4,8", help="prefetch sizes beside off (MiB; TP16's w_up is 3.06 MiB, TP8's 6.1)")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--samples", type=int, default=15)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--db", default=str(tuning_db_dir() / "h200.sqlite"))
     args = ap.parse_args()
     sizes = [0] + [int(v) for v in args.mib.split(",")]
 
-    for pt, served in served_ab_points(args.points, args.db, args.layers,
-                                       "pfN = N MiB of w_up prefetched during the routed all-reduce"):
+    for pt, served in served_ab_points(args, "pfN = N MiB of w_up prefetched during the routed all-reduce"):
         blocks = {}
         for mib in sizes:
             if mib == 0 and served[0].ran["prefetch"] == "off":

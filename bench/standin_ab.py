@@ -18,13 +18,12 @@ import argparse
 import statistics
 
 import torch
-from moe import ab_cells, alternate, served_ab_points  # bench/moe.py (this script runs from bench/)
+from moe import ab_cells, alternate, served_ab_args, served_ab_points  # bench/moe.py (this script runs from bench/)
 
 from k3tune.kernels import moe_experts
 from k3tune.plan import links
 from k3tune.runtime.moe import EmulatedComm, MoEBlock
 from k3tune.search.measure_gpu import time_graph
-from k3tune.shipped import tuning_db_dir
 
 
 def spin_check(samples: int) -> None:
@@ -47,14 +46,9 @@ def spin_check(samples: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--points", default="bf16:16:1,mxfp4:16:1,bf16:8:8")
+    served_ab_args(ap, "bf16:16:1,mxfp4:16:1,bf16:8:8")
     ap.add_argument("--lat", default="0,4,8", help="stand-in start-up latencies (us) beside each other")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--samples", type=int, default=15)
-    ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--spin", action="store_true", help="first the spin kernel alone (the SM clock it spins at)")
-    ap.add_argument("--db", default=str(tuning_db_dir() / "h200.sqlite"))
-    ap.add_argument("--measured-on", default=None, help="serve this GPU's winners (e.g. h200) on the card at hand")
     args = ap.parse_args()
     lats = [float(v) for v in args.lat.split(",")]
     if links.LATENCY_US not in lats or len(lats) < 2:
@@ -62,9 +56,8 @@ def main() -> None:
     if args.spin:
         spin_check(args.samples)
 
-    for pt, served in served_ab_points(args.points, args.db, args.layers,
-                                       "latN = the stand-ins' start-up latency N us (the model's: "
-                                       f"{links.LATENCY_US:.0f})", args.measured_on):
+    for pt, served in served_ab_points(args, "latN = the stand-ins' start-up latency N us (the model's: "
+                                       f"{links.LATENCY_US:.0f})"):
         blocks = {}
         for lat in lats:
             if lat == links.LATENCY_US:

@@ -16,11 +16,10 @@ The ``c1`` variant is the same blocks with ``sum_norm_layout`` forced to one CTA
 import argparse
 
 import torch
-from moe import ab_cells, alternate, served_ab_points  # bench/moe.py (this script runs from bench/)
+from moe import ab_cells, alternate, served_ab_args, served_ab_points  # bench/moe.py (this script runs from bench/)
 
 from k3tune.kernels import moe_experts
 from k3tune.runtime.moe import MoEBlock
-from k3tune.shipped import tuning_db_dir
 
 
 def one_cta_a_token(n: int, slices: int) -> tuple[int, int, int]:
@@ -45,15 +44,10 @@ class OneCtaAToken:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--points", default="mxfp4:8:1,bf16:16:1,mxfp4:16:4,bf16:8:8,mxfp4:8:64")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--samples", type=int, default=15)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--db", default=str(tuning_db_dir() / "h200.sqlite"))
+    served_ab_args(ap, "mxfp4:8:1,bf16:16:1,mxfp4:16:4,bf16:8:8,mxfp4:8:64")
     args = ap.parse_args()
 
-    for pt, served in served_ab_points(args.points, args.db, args.layers,
-                                       "c1 = the norm kernel on one CTA a token"):
+    for pt, served in served_ab_points(args, "c1 = the norm kernel on one CTA a token"):
         old = [MoEBlock.serve(w, pt.sel, pt.batch, comm=pt.comm) for w in pt.layers]
         for b in served + old:
             b.force_top = pt.top
