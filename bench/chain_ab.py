@@ -9,6 +9,10 @@ side by side with the shipped knobs in one run (the router's own choices on rand
 - ``redux`` (``ROUTE_REDUX``): the route kernel's k rounds of warp argmax by two ``redux.sync`` each instead of ten
   dependent shuffle steps (the route takes ~2.3 us after the gather stand-in at b1, a chain of ~16 x 15 shuffles).
 - ``both``.
+- ``fused`` (``GATHER_ROUTE``): the router's all-gather stand-in and the route in one launch (the routing CTAs spin
+  beside the gather's, then route from the GEMM's copy of the scores), one dependent launch fewer on the chain.
+  It also serves imposed routings (``--imposed``, as the bars measure), where ``redux`` never runs.
+- ``all``: the three.
 
 Each variant changes kernels of the CUDA-core expert path (the MXFP4 tensor-core experts never read ``early``); each
 point says which switched kernels ran (w2 early, route redux). Outputs must be bit-equal to ``off``'s: neither
@@ -16,9 +20,11 @@ change alters a number. The roofline column's floor counts the experts of the po
 (the router's own choices touch as many at b1; at larger batches the count may differ a little). The served knobs
 on this tree's code, as in sum_norm_ab.py (a temporary copy of the database, never one to ship).
 
-Until the switches land, they are ``bench/results/2026-12-05-s44-chain-staged.patch`` (``git apply`` it first).
+Until the switches land, they are ``bench/results/2026-12-05-s45-chain-staged.patch`` (``git apply`` it first;
+it holds s44's patch and GATHER_ROUTE).
 
-    cd bench && python3 chain_ab.py --points bf16:16:1,bf16:8:1,bf16:16:8,mxfp4:16:1 [--variants early,redux,both]
+    cd bench && python3 chain_ab.py --points bf16:16:1,bf16:8:1,bf16:16:8,mxfp4:16:1 [--variants early,redux,fused,all]
+    [--imposed]
 """
 
 from __future__ import annotations
@@ -30,7 +36,8 @@ from moe import ab_cells, alternate, served_ab_args, served_ab_points  # bench/m
 
 from k3tune.kernels import moe_experts
 
-SWITCHES = {"early": ("W2_EARLY_L2",), "redux": ("ROUTE_REDUX",), "both": ("W2_EARLY_L2", "ROUTE_REDUX")}
+SWITCHES = {"early": ("W2_EARLY_L2",), "redux": ("ROUTE_REDUX",), "both": ("W2_EARLY_L2", "ROUTE_REDUX"),
+            "fused": ("GATHER_ROUTE",), "all": ("W2_EARLY_L2", "ROUTE_REDUX", "GATHER_ROUTE")}
 
 
 class Switched:
@@ -58,6 +65,8 @@ def switched_kernels(blk, x) -> str:
             seen.add("w2 early")
         if kind == "route" and len(knobs) == 6 and knobs[5]:
             seen.add("route redux")
+        if kind == "gather_route":
+            seen.add("gather+route" + (" redux" if knobs[7] else ""))
         return real(kind, knobs, arch, pdl)
 
     moe_experts.compiled = spy
@@ -72,15 +81,18 @@ def switched_kernels(blk, x) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     served_ab_args(ap, "bf16:16:1,bf16:8:1,bf16:16:8,mxfp4:16:1")
-    ap.add_argument("--variants", default="early,redux,both")
+    ap.add_argument("--variants", default="early,redux,fused,all")
+    ap.add_argument("--imposed", action="store_true", help="the point's imposed routing (as the bars measure; the "
+                    "route kernel's forced branch, which redux leaves alone) instead of the router's own choices")
     args = ap.parse_args()
     variants = args.variants.split(",")
     if not set(variants) <= set(SWITCHES):
         raise SystemExit(f"--variants: {args.variants!r}; known: {', '.join(SWITCHES)}")
 
-    for pt, served in served_ab_points(args, "early = W2_EARLY_L2, redux = ROUTE_REDUX, both"):
-        for b in served:  # the router's own choices (random weights: near uniform), not pt.top: an imposed
-            b.force_top = None  # routing runs the route kernel's forced branch, which ``redux`` leaves alone
+    for pt, served in served_ab_points(args, "early = W2_EARLY_L2, redux = ROUTE_REDUX, both = the two, fused = "
+                                       "GATHER_ROUTE, all = the three" + (" (imposed routing)" if args.imposed else "")):
+        for b in served:  # the router's own choices (random weights: near uniform) unless --imposed: an imposed
+            b.force_top = pt.top if args.imposed else None  # routing runs the route's forced branch (no redux)
         blocks = {"off": served, **{v: [Switched(b, SWITCHES[v]) for b in served] for v in variants}}
         ran = {v: switched_kernels(blocks[v][0], pt.x) for v in variants}
         ref = served[0](pt.x).clone()
