@@ -30,6 +30,8 @@ it holds s44's patch and GATHER_ROUTE).
 from __future__ import annotations
 
 import argparse
+import json
+import statistics
 
 import torch
 from moe import ab_cells, alternate, served_ab_args, served_ab_points  # bench/moe.py (this script runs from bench/)
@@ -40,20 +42,25 @@ SWITCHES = {"early": ("W2_EARLY_L2",), "redux": ("ROUTE_REDUX",), "both": ("W2_E
             "fused": ("GATHER_ROUTE",), "all": ("W2_EARLY_L2", "ROUTE_REDUX", "GATHER_ROUTE")}
 
 
+ALL = ("W2_EARLY_L2", "ROUTE_REDUX", "GATHER_ROUTE")
+
+
 class Switched:
-    """A served block called (captured or not) with some of moe_experts' staged switches on."""
+    """A served block called (captured or not) with exactly ``names`` of moe_experts' staged switches on (the others
+    off, whatever the module's defaults), each restored after the call."""
 
     def __init__(self, blk, names):
         self.blk, self.names = blk, names
 
     def __call__(self, x):
-        for n in self.names:
-            setattr(moe_experts, n, True)
+        was = {n: getattr(moe_experts, n) for n in ALL}
+        for n in ALL:
+            setattr(moe_experts, n, n in self.names)
         try:
             return self.blk(x)
         finally:
-            for n in self.names:
-                setattr(moe_experts, n, False)
+            for n, v in was.items():
+                setattr(moe_experts, n, v)
 
 
 def switched_kernels(blk, x) -> str:
@@ -84,18 +91,21 @@ def main() -> None:
     ap.add_argument("--variants", default="early,redux,fused,all")
     ap.add_argument("--imposed", action="store_true", help="the point's imposed routing (as the bars measure; the "
                     "route kernel's forced branch, which redux leaves alone) instead of the router's own choices")
+    ap.add_argument("--json", default=None, help="also write {point: {variant: median us}} here")
     args = ap.parse_args()
     variants = args.variants.split(",")
     if not set(variants) <= set(SWITCHES):
         raise SystemExit(f"--variants: {args.variants!r}; known: {', '.join(SWITCHES)}")
 
+    table = {}
     for pt, served in served_ab_points(args, "early = W2_EARLY_L2, redux = ROUTE_REDUX, both = the two, fused = "
                                        "GATHER_ROUTE, all = the three" + (" (imposed routing)" if args.imposed else "")):
         for b in served:  # the router's own choices (random weights: near uniform) unless --imposed: an imposed
             b.force_top = pt.top if args.imposed else None  # routing runs the route's forced branch (no redux)
-        blocks = {"off": served, **{v: [Switched(b, SWITCHES[v]) for b in served] for v in variants}}
+        blocks = {"off": [Switched(b, ()) for b in served],
+                  **{v: [Switched(b, SWITCHES[v]) for b in served] for v in variants}}
         ran = {v: switched_kernels(blocks[v][0], pt.x) for v in variants}
-        ref = served[0](pt.x).clone()
+        ref = blocks["off"][0](pt.x).clone()
         for v in variants:
             out = blocks[v][0](pt.x)
             if not torch.equal(out, ref):
@@ -103,6 +113,10 @@ def main() -> None:
         meds = alternate(blocks, pt.x, args.rounds, args.samples)
         print(pt.label() + " | " + " | ".join(ab_cells(meds, "off", pt.floor_us)) +
               f" | ran: {ran} | bit-equal to off", flush=True)
+        table[f"{pt.fmt}:{pt.tp}:{pt.batch}"] = {v: statistics.median(m) for v, m in meds.items()}
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(table, f, indent=1)
         del blocks, served, pt
 
 

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# One device call: the staged chain switches (bench/chain_ab.py) tested and A/B'd, then, for those that pay
+# (bench/chain_pick.py), their module defaults turned on in this copy of the tree and the bf16 MoE blocks decided again
+# the cheap way on that code (bench/split_polish.sh: each block's old winner, a few more trials, the whole moves).
+# The same defaults turned on locally (`sed -i "s/^NAME = False/NAME = True/" k3tune/kernels/moe_experts.py`) give
+# the same keys; MXFP4's blocks follow in a second call: START_DB=<this call's split.sqlite.xz> bash
+# bench/split_polish.sh mxfp4:...
+# Usage (device tool, kind nvidia-h200, carry [".carry"]): bash bench/chain_land.sh
+# Writes $OUT/land.log, imposed.json, natural.json, picked.txt, and split_polish's files.
+set -uo pipefail
+source .carry/cutedsl/unpack.sh || exit 1
+log=$OUT/land.log
+timeout ${TEST_S:-130} python3 -m pytest -q -m gpu tests/test_gpu_moe.py \
+  -k "redux_route or asking_l2 or gather_with_the_route" > $OUT/tests.log 2>&1
+rc=$?; tail -3 $OUT/tests.log; [ $rc = 0 ] || { echo "the staged switches' GPU tests failed (rc $rc)"; exit 1; }
+(cd bench && timeout ${AB_S:-170} python3 chain_ab.py --imposed --points ${POINTS:-bf16:16:1,mxfp4:16:1,bf16:16:8} \
+  --variants early,fused,all --json $OUT/imposed.json >> $log 2>&1
+ timeout ${NAT_S:-70} python3 chain_ab.py --points bf16:16:1 --variants redux --json $OUT/natural.json >> $log 2>&1)
+grep -E "^(bf16|mxfp4)" $log | cut -c1-400
+on=$(python3 bench/chain_pick.py $OUT/imposed.json $OUT/natural.json)
+echo "$on" > $OUT/picked.txt; echo "== picked: ${on:-nothing}"
+[ -n "$on" ] || exit 0
+for n in $on; do sed -i "s/^$n = False/$n = True/" k3tune/kernels/moe_experts.py; done
+grep -E "^(W2_EARLY_L2|ROUTE_REDUX|GATHER_ROUTE) =" k3tune/kernels/moe_experts.py
+[ -n "${NO_SWEEP:-}" ] && exit 0
+left=$((${CALL_S:-585} - SECONDS - 15)); per=$((left / 4))
+[ $per -gt 30 ] || { echo "no time left to decide the blocks again ($left s)"; exit 0; }
+WHOLE= BUDGET=4 NEIGHBOURS=0 BENCH_S=0 SWEEP_S=$per bash bench/split_polish.sh bf16:16:uniform bf16:8:uniform \
+  bf16:16:zipf:1.2 bf16:8:zipf:1.2
