@@ -1,30 +1,26 @@
 """Staged changes to the block's dependent chain, each a module switch of ``k3tune.kernels.moe_experts``, served
-side by side with the shipped knobs in one run (the router's own choices on random weights):
+side by side with the shipped knobs in one run (the router's own routing on random weights, or ``--imposed``: the
+point's imposed routing, as the bars measure). A variant is atoms joined by '+':
 
-- ``early`` (``W2_EARLY_L2``): the routed w2 kernel asks L2 for its weight tile before its PDL wait. Why (s43-r2's
-  profile, bf16 TP16 b1): the routed w2 (22 MB) starts when w13's last CTAs leave and, with the shared w2 beside it,
-  moves 27.5 MB in 7.7 us (0.85 of the copy bandwidth); w13's 44 MB take 13.1 us (0.80). w2's weights do not depend
-  on w13: a w2 CTA resident while w13 drains can stream its tile before it waits. (s39-r1's separate prefetch
-  kernel beside all of w13 competed with it and was 0-8% slower; here only CTAs already resident prefetch.)
-- ``redux`` (``ROUTE_REDUX``): the route kernel's k rounds of warp argmax by two ``redux.sync`` each instead of ten
-  dependent shuffle steps (the route takes ~2.3 us after the gather stand-in at b1, a chain of ~16 x 15 shuffles).
-- ``both``.
-- ``fused`` (``GATHER_ROUTE``): the router's all-gather stand-in and the route in one launch (the routing CTAs spin
-  beside the gather's, then route from the GEMM's copy of the scores), one dependent launch fewer on the chain.
-  It also serves imposed routings (``--imposed``, as the bars measure), where ``redux`` never runs.
-- ``all``: the three.
+- ``early`` (``W2_EARLY_L2``): the routed w2's CTAs ask L2 for their weight tile before the PDL wait (s45-r1: 0.4 µs
+  slower at bf16 TP16 b1, 2.7 at b8: refuted).
+- ``redux`` (``ROUTE_REDUX``): the route's k rounds of warp argmax by two ``redux.sync`` each instead of shuffles
+  (s45-r1, the router's own routing, bf16 TP16 b1: 77.9 -> 65.4 µs).
+- ``select`` (``ROUTE_SELECT``): the top-k as a bound (the k-th largest lane maximum), the candidates above it
+  compacted and sorted once by a bitonic network: no k dependent rounds.
+- ``fused`` (``GATHER_ROUTE``): the router's all-gather stand-in and the route in one launch (s45-r1, imposed: 0.4 µs
+  faster at bf16 b1, 1.2 slower at MXFP4 b1, with the forced branch that skips the top-k).
+- ``topk`` (``FORCED_TOPK``): an imposed routing still runs the top-k, as a served step does, then imposes its
+  experts (without it the forced branch skips the top-k, and the measured block leaves out what serving pays).
 
-Each variant changes kernels of the CUDA-core expert path (the MXFP4 tensor-core experts never read ``early``); each
-point says which switched kernels ran (w2 early, route redux). Outputs must be bit-equal to ``off``'s: neither
-change alters a number. The roofline column's floor counts the experts of the point's imposed uniform routing
-(the router's own choices touch as many at b1; at larger batches the count may differ a little). The served knobs
-on this tree's code, as in sum_norm_ab.py (a temporary copy of the database, never one to ship).
+Each point says which switched kernels ran. Outputs must be bit-equal to ``off``'s: no switch alters a number.
+The roofline column's floor counts the experts of the point's imposed uniform routing. The served knobs on this
+tree's code, as in sum_norm_ab.py (a temporary copy of the database, never one to ship).
 
-Until the switches land, they are ``bench/results/2026-12-05-s45-chain-staged.patch`` (``git apply`` it first;
-it holds s44's patch and GATHER_ROUTE).
+Until the switches land, they are ``bench/results/2026-12-05-s45-chain-staged.patch`` (``git apply`` it first).
 
-    cd bench && python3 chain_ab.py --points bf16:16:1,bf16:8:1,bf16:16:8,mxfp4:16:1 [--variants early,redux,fused,all]
-    [--imposed]
+    cd bench && python3 chain_ab.py --points bf16:16:1,mxfp4:16:1 --variants redux,select,select+fused
+    cd bench && python3 chain_ab.py --imposed --points bf16:16:1 --variants topk,topk+select,topk+select+fused
 """
 
 from __future__ import annotations
@@ -38,11 +34,14 @@ from moe import ab_cells, alternate, served_ab_args, served_ab_points  # bench/m
 
 from k3tune.kernels import moe_experts
 
-SWITCHES = {"early": ("W2_EARLY_L2",), "redux": ("ROUTE_REDUX",), "both": ("W2_EARLY_L2", "ROUTE_REDUX"),
-            "fused": ("GATHER_ROUTE",), "all": ("W2_EARLY_L2", "ROUTE_REDUX", "GATHER_ROUTE")}
+ATOMS = {"early": "W2_EARLY_L2", "redux": "ROUTE_REDUX", "select": "ROUTE_SELECT", "fused": "GATHER_ROUTE",
+         "topk": "FORCED_TOPK"}
+ALL = tuple(ATOMS.values())
 
 
-ALL = ("W2_EARLY_L2", "ROUTE_REDUX", "GATHER_ROUTE")
+def switches(variant: str) -> tuple:
+    """A variant's module switches: atoms joined by '+' (e.g. topk+select+fused)."""
+    return tuple(ATOMS[a] for a in variant.split("+"))
 
 
 class Switched:
@@ -70,10 +69,10 @@ def switched_kernels(blk, x) -> str:
     def spy(kind, knobs, arch, pdl=0):
         if kind == "w2" and len(knobs) == 6 and knobs[5] and pdl:
             seen.add("w2 early")
-        if kind == "route" and len(knobs) == 6 and knobs[5]:
-            seen.add("route redux")
+        if kind == "route" and len(knobs) == 7:
+            seen.add(f"route {knobs[5]}" + (" forced top-k" if knobs[6] else ""))
         if kind == "gather_route":
-            seen.add("gather+route" + (" redux" if knobs[7] else ""))
+            seen.add(f"gather+route {knobs[7]}" + (" forced top-k" if knobs[8] else ""))
         return real(kind, knobs, arch, pdl)
 
     moe_experts.compiled = spy
@@ -88,22 +87,23 @@ def switched_kernels(blk, x) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     served_ab_args(ap, "bf16:16:1,bf16:8:1,bf16:16:8,mxfp4:16:1")
-    ap.add_argument("--variants", default="early,redux,fused,all")
+    ap.add_argument("--variants", default="redux,select,select+fused", help="comma-separated; each atoms joined "
+                    f"by '+' ({', '.join(f'{a} = {n}' for a, n in ATOMS.items())})")
     ap.add_argument("--imposed", action="store_true", help="the point's imposed routing (as the bars measure; the "
                     "route kernel's forced branch, which redux leaves alone) instead of the router's own choices")
     ap.add_argument("--json", default=None, help="also write {point: {variant: median us}} here")
     args = ap.parse_args()
     variants = args.variants.split(",")
-    if not set(variants) <= set(SWITCHES):
-        raise SystemExit(f"--variants: {args.variants!r}; known: {', '.join(SWITCHES)}")
+    if not {a for v in variants for a in v.split("+")} <= set(ATOMS):
+        raise SystemExit(f"--variants: {args.variants!r}; atoms: {', '.join(ATOMS)}")
 
     table = {}
-    for pt, served in served_ab_points(args, "early = W2_EARLY_L2, redux = ROUTE_REDUX, both = the two, fused = "
-                                       "GATHER_ROUTE, all = the three" + (" (imposed routing)" if args.imposed else "")):
+    for pt, served in served_ab_points(args, ", ".join(f"{a} = {n}" for a, n in ATOMS.items()) +
+                                       (" (imposed routing)" if args.imposed else " (the router's own routing)")):
         for b in served:  # the router's own choices (random weights: near uniform) unless --imposed: an imposed
             b.force_top = pt.top if args.imposed else None  # routing runs the route's forced branch (no redux)
         blocks = {"off": [Switched(b, ()) for b in served],
-                  **{v: [Switched(b, SWITCHES[v]) for b in served] for v in variants}}
+                  **{v: [Switched(b, switches(v)) for b in served] for v in variants}}
         ran = {v: switched_kernels(blocks[v][0], pt.x) for v in variants}
         ref = blocks["off"][0](pt.x).clone()
         for v in variants:

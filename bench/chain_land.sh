@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call: the staged chain switches (bench/chain_ab.py) tested and A/B'd, then, for those that pay
+# One device call: the staged route switches (bench/chain_ab.py) tested and A/B'd, then, for those that land
 # (bench/chain_pick.py), their module defaults turned on in this copy of the tree and the bf16 MoE blocks decided again
 # the cheap way on that code (bench/split_polish.sh: each block's old winner, a few more trials, the whole moves).
 # The same defaults turned on locally (`sed -i "s/^NAME = False/NAME = True/" k3tune/kernels/moe_experts.py`) give
@@ -10,18 +10,19 @@
 set -uo pipefail
 source .carry/cutedsl/unpack.sh || exit 1
 log=$OUT/land.log
-timeout ${TEST_S:-130} python3 -m pytest -q -m gpu tests/test_gpu_moe.py \
-  -k "redux_route or asking_l2 or gather_with_the_route" > $OUT/tests.log 2>&1
+timeout ${TEST_S:-150} python3 -m pytest -q -m gpu tests/test_gpu_moe.py \
+  -k "fast_routes or select_routes or gather_with_the_route or runs_the_top_k" > $OUT/tests.log 2>&1
 rc=$?; tail -3 $OUT/tests.log; [ $rc = 0 ] || { echo "the staged switches' GPU tests failed (rc $rc)"; exit 1; }
-(cd bench && timeout ${AB_S:-170} python3 chain_ab.py --imposed --points ${POINTS:-bf16:16:1,mxfp4:16:1,bf16:16:8} \
-  --variants early,fused,all --json $OUT/imposed.json >> $log 2>&1
- timeout ${NAT_S:-70} python3 chain_ab.py --points bf16:16:1 --variants redux --json $OUT/natural.json >> $log 2>&1)
-grep -E "^(bf16|mxfp4)" $log | cut -c1-400
-on=$(python3 bench/chain_pick.py $OUT/imposed.json $OUT/natural.json)
+(cd bench && timeout ${NAT_S:-110} python3 chain_ab.py --points ${POINTS:-bf16:16:1,mxfp4:16:1} \
+  --variants redux,select,select+fused --json $OUT/natural.json >> $log 2>&1
+ timeout ${IMP_S:-110} python3 chain_ab.py --imposed --points ${POINTS:-bf16:16:1,mxfp4:16:1} \
+  --variants topk,topk+select,topk+select+fused --json $OUT/imposed.json >> $log 2>&1)
+grep -E "^(bf16|mxfp4)" $log | cut -c1-800
+on=$(python3 bench/chain_pick.py $OUT/natural.json $OUT/imposed.json)
 echo "$on" > $OUT/picked.txt; echo "== picked: ${on:-nothing}"
 [ -n "$on" ] || exit 0
 for n in $on; do sed -i "s/^$n = False/$n = True/" k3tune/kernels/moe_experts.py; done
-grep -E "^(W2_EARLY_L2|ROUTE_REDUX|GATHER_ROUTE) =" k3tune/kernels/moe_experts.py
+grep -E "^(W2_EARLY_L2|ROUTE_REDUX|ROUTE_SELECT|FORCED_TOPK|GATHER_ROUTE) =" k3tune/kernels/moe_experts.py
 [ -n "${NO_SWEEP:-}" ] && exit 0
 left=$((${CALL_S:-585} - SECONDS - 15)); per=$((left / 4))
 [ $per -gt 30 ] || { echo "no time left to decide the blocks again ($left s)"; exit 0; }

@@ -1,11 +1,12 @@
-"""Which staged chain switches pay, from chain_ab.py's --json tables: prints their names (space-separated; nothing
-when none pays). The rule (NOTES s44/s45): a switch lands when it makes bf16 TP16 b1 (the one bf16 roofline miss)
-at least ``--gain`` faster and no measured point more than ``--slack`` slower. ``fused`` (GATHER_ROUTE) and ``early``
-(W2_EARLY_L2) are read from the imposed-routing table (the bars' routing); early on top of fused from ``all`` against
-``fused`` where fused lands. ``redux`` (ROUTE_REDUX, serving's own routing only) from the natural-routing table, where
-it must not be slower.
+"""Which staged route switches land, from chain_ab.py's --json tables: prints their names (space-separated;
+nothing when none does). The rule (NOTES s45): ``ROUTE_SELECT`` when the router's own routing (``natural``: variants
+off, select, ...) is at least ``--gain`` faster at ``--key`` (bf16 TP16 b1) and no point more than ``--slack`` slower;
+``FORCED_TOPK`` with it (a measurement's imposed routing then pays the top-k a served step pays: a fidelity fix, not
+a speed-up, so it lands with the top-k that serving would run); ``GATHER_ROUTE`` when, under the imposed routing
+(``imposed``: variants topk+select and topk+select+fused), it is ``--gain`` / 2 faster at the key and nowhere slower
+than the slack.
 
-    python3 bench/chain_pick.py imposed.json natural.json
+    python3 bench/chain_pick.py natural.json imposed.json
 """
 
 from __future__ import annotations
@@ -25,30 +26,24 @@ def pays(r: dict, key: str, gain: float, slack: float) -> bool:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("imposed")
-    ap.add_argument("natural", nargs="?")
+    ap.add_argument("natural")
+    ap.add_argument("imposed", nargs="?")
     ap.add_argument("--key", default="bf16:16:1")
     ap.add_argument("--gain", type=float, default=0.01)
     ap.add_argument("--slack", type=float, default=0.005)
     args = ap.parse_args()
-    with open(args.imposed) as f:
-        imposed = json.load(f)
+    tables = {}
+    for name in ("natural", "imposed"):
+        if getattr(args, name):
+            with open(getattr(args, name)) as f:
+                tables[name] = json.load(f)
     on = []
-    fused = pays(ratios(imposed, "off", "fused"), args.key, args.gain, args.slack)
-    if fused:
-        on.append("GATHER_ROUTE")
-        early = pays(ratios(imposed, "fused", "all"), args.key, args.gain / 2, args.slack)
-    else:
-        early = pays(ratios(imposed, "off", "early"), args.key, args.gain / 2, args.slack)
-    if early:
-        on.append("W2_EARLY_L2")
-    if args.natural:
-        with open(args.natural) as f:
-            natural = json.load(f)
-        r = ratios(natural, "off", "redux")
-        if r and min(r.values()) >= 1.0:
-            on.append("ROUTE_REDUX")
-    for name, table in (("imposed", imposed),) + ((("natural", natural),) if args.natural else ()):
+    if pays(ratios(tables["natural"], "off", "select"), args.key, args.gain, args.slack):
+        on += ["ROUTE_SELECT", "FORCED_TOPK"]
+        imposed = tables.get("imposed", {})
+        if pays(ratios(imposed, "topk+select", "topk+select+fused"), args.key, args.gain / 2, args.slack):
+            on.append("GATHER_ROUTE")
+    for name, table in tables.items():
         for pt, row in table.items():
             print(f"# {name} {pt}: " + ", ".join(f"{v} {us:.2f} us" for v, us in row.items()), file=sys.stderr)
     print(" ".join(on))
