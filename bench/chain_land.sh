@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # One device call: the staged route switches (bench/chain_ab.py) tested and A/B'd, then, for those that land
-# (bench/chain_pick.py), their module defaults turned on in this copy of the tree and the bf16 MoE blocks decided again
-# the cheap way on that code (bench/split_polish.sh: each block's old winner, a few more trials, the whole moves).
+# (bench/chain_pick.py), their module defaults turned on in this copy of the tree and every MoE block decided again
+# the cheap way on that code (bench/split_polish.sh: each block's old winner, BUDGET more trials, the WHOLE moves),
+# in the time the call has left (a spec cut by its limit stops the rest: resume with START_DB/RESUME).
 # The same defaults turned on locally (`sed -i "s/^NAME = False/NAME = True/" k3tune/kernels/moe_experts.py`) give
-# the same keys; MXFP4's blocks follow in a second call: START_DB=<this call's split.sqlite.xz> bash
-# bench/split_polish.sh mxfp4:...
+# the same keys.
 # Usage (device tool, kind nvidia-h200, carry [".carry"]): bash bench/chain_land.sh
 # Writes $OUT/land.log, imposed.json, natural.json, picked.txt, and split_polish's files.
 set -uo pipefail
@@ -24,7 +24,9 @@ echo "$on" > $OUT/picked.txt; echo "== picked: ${on:-nothing}"
 for n in $on; do sed -i "s/^$n = False/$n = True/" k3tune/kernels/moe_experts.py; done
 grep -E "^(W2_EARLY_L2|ROUTE_REDUX|ROUTE_SELECT|FORCED_TOPK|GATHER_ROUTE) =" k3tune/kernels/moe_experts.py
 [ -n "${NO_SWEEP:-}" ] && exit 0
-left=$((${CALL_S:-585} - SECONDS - 15)); per=$((left / 4))
-[ $per -gt 30 ] || { echo "no time left to decide the blocks again ($left s)"; exit 0; }
-WHOLE= BUDGET=4 NEIGHBOURS=0 BENCH_S=0 SWEEP_S=$per bash bench/split_polish.sh bf16:16:uniform bf16:8:uniform \
-  bf16:16:zipf:1.2 bf16:8:zipf:1.2
+left=$((${CALL_S:-585} - SECONDS - 20))
+[ $left -gt 120 ] || { echo "no time left to decide the blocks again ($left s)"; exit 0; }
+b=$((left * 9 / 100)); m=$((left * 16 / 100))  # a bf16 spec's share of what is left, an MXFP4 spec's (slower)
+WHOLE=${WHOLE:-} BUDGET=${BUDGET:-4} NEIGHBOURS=0 BENCH_S=0 SWEEP_S="$b $b $b $b $m $m $m $m" bash bench/split_polish.sh \
+  bf16:16:uniform bf16:8:uniform bf16:16:zipf:1.2 bf16:8:zipf:1.2 mxfp4:16:uniform mxfp4:8:uniform \
+  mxfp4:16:zipf:1.2 mxfp4:8:zipf:1.2
