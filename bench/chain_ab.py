@@ -10,6 +10,8 @@ point's imposed routing, as the bars measure). A variant is atoms joined by '+':
   compacted and sorted once by a bitonic network: no k dependent rounds.
 - ``fused`` (``GATHER_ROUTE``): the router's all-gather stand-in and the route in one launch (s45-r1, imposed: 0.4 µs
   faster at bf16 b1, 1.2 slower at MXFP4 b1, with the forced branch that skips the top-k).
+- ``late`` (``k3tune.runtime.moe.FORK_AFTER_ROUTE``): the shared experts forked after the route, not after the
+  router GEMM, so the route's one warp a token does not share its SMs with their GEMM.
 - ``topk`` (``FORCED_TOPK``): an imposed routing still runs the top-k, as a served step does, then imposes its
   experts (without it the forced branch skips the top-k, and the measured block leaves out what serving pays).
 
@@ -33,9 +35,10 @@ import torch
 from moe import ab_cells, alternate, served_ab_args, served_ab_points  # bench/moe.py (this script runs from bench/)
 
 from k3tune.kernels import moe_experts
+from k3tune.runtime import moe as runtime_moe
 
 ATOMS = {"early": "W2_EARLY_L2", "redux": "ROUTE_REDUX", "select": "ROUTE_SELECT", "fused": "GATHER_ROUTE",
-         "topk": "FORCED_TOPK"}
+         "topk": "FORCED_TOPK", "late": "FORK_AFTER_ROUTE"}
 ALL = tuple(ATOMS.values())
 
 
@@ -44,22 +47,27 @@ def switches(variant: str) -> tuple:
     return tuple(ATOMS[a] for a in variant.split("+"))
 
 
+def _module(name: str):
+    """Where a switch lives: the runtime's fork point in k3tune.runtime.moe, the kernels' in moe_experts."""
+    return runtime_moe if name == "FORK_AFTER_ROUTE" else moe_experts
+
+
 class Switched:
-    """A served block called (captured or not) with exactly ``names`` of moe_experts' staged switches on (the others
-    off, whatever the module's defaults), each restored after the call."""
+    """A served block called (captured or not) with exactly ``names`` of the staged switches on (the others off,
+    whatever the modules' defaults), each restored after the call."""
 
     def __init__(self, blk, names):
         self.blk, self.names = blk, names
 
     def __call__(self, x):
-        was = {n: getattr(moe_experts, n) for n in ALL}
+        was = {n: getattr(_module(n), n) for n in ALL}
         for n in ALL:
-            setattr(moe_experts, n, n in self.names)
+            setattr(_module(n), n, n in self.names)
         try:
             return self.blk(x)
         finally:
             for n, v in was.items():
-                setattr(moe_experts, n, v)
+                setattr(_module(n), n, v)
 
 
 def switched_kernels(blk, x) -> str:

@@ -18,7 +18,7 @@ from moe import served_ab_args, served_ab_points  # bench/moe.py (this script ru
 from k3tune.kernels import moe_experts
 from k3tune.search.measure_gpu import time_graph
 
-VARIANTS = ("off", "topk", "topk+select", "redux", "select")  # off/topk*: imposed routing; redux/select: natural
+VARIANTS = ("off", "topk", "topk+select", "topk+select+late", "select", "select+late")  # off, topk*: imposed
 
 
 def candidates(y, bias, k):
@@ -40,7 +40,7 @@ def main() -> None:
         y = blk.comm.all_gather(blk._gemms["moe.router_latent"](pt.x)).contiguous()
         print(f"{pt.label()} | select candidates per token: {candidates(y, w.bias, shape.top_k)}", flush=True)
         for v in VARIANTS:
-            imposed = v == "off" or v.startswith("topk")
+            imposed = v == "off" or v.startswith("topk")  # the others: the router's own routing
             names = () if v == "off" else switches(v)
             top = pt.top.clone() if imposed else torch.zeros_like(c["top"])
             grp = moe_experts.Groups.allocate(shape.experts, y.shape[0], shape.top_k, c["groups"].per, y.device)
