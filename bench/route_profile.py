@@ -12,7 +12,7 @@ import argparse
 import statistics
 
 import torch
-from chain_ab import Switched, switches
+from chain_ab import Switched, _module, switches
 from moe import served_ab_args, served_ab_points  # bench/moe.py (this script runs from bench/)
 
 from k3tune.kernels import moe_experts
@@ -51,14 +51,14 @@ def main() -> None:
                 moe_experts.route(y, w.bias, top, wts, shape.top_k, shape.scaling, grp, forced=imposed)
 
             Switched(lambda _x: [run(None) for _ in range(2)], names)(None)  # compile outside the capture
-            was = {n: getattr(moe_experts, n) for n in names}
+            was = {n: getattr(_module(n), n) for n in names}
             for n in names:
-                setattr(moe_experts, n, True)
+                setattr(_module(n), n, True)
             try:
                 alone = statistics.median(time_graph(run, [{}], args.samples))
             finally:
                 for n, val in was.items():
-                    setattr(moe_experts, n, val)
+                    setattr(_module(n), n, val)
             wrapped = Switched(blk, names)
             blk.force_top = pt.top if imposed else None
             wrapped(pt.x)
