@@ -4,6 +4,11 @@ gathered rows of the point's own router GEMM. Also counts the select route's can
 it falls back to the redux rounds) for the router's own scores.
 
     cd bench && python3 route_profile.py --points bf16:16:1 [--measured-on h200]
+
+``--profile``: each variant's route launched once alone inside an NVTX range ``profile/route-<variant>`` and nothing
+timed, for Nsight Compute (as bench/ncu_session.sh runs it), e.g.
+    cd bench && ncu --nvtx --nvtx-include profile/ --print-nvtx-rename kernel --section WarpStateStats \
+        --section InstructionStats --section SchedulerStats python3 route_profile.py --profile --measured-on h200
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ def candidates(y, bias, k):
 def main() -> None:
     ap = argparse.ArgumentParser()
     served_ab_args(ap, "bf16:16:1")
+    ap.add_argument("--profile", action="store_true", help="one launch a variant in an NVTX range, nothing timed")
     args = ap.parse_args()
     for pt, served in served_ab_points(args, "route kernel alone and in the block"):
         blk = served[0]
@@ -51,6 +57,13 @@ def main() -> None:
                 moe_experts.route(y, w.bias, top, wts, shape.top_k, shape.scaling, grp, forced=imposed)
 
             Switched(lambda _x: [run(None) for _ in range(2)], names)(None)  # compile outside the capture
+            if args.profile:
+                torch.cuda.synchronize()
+                torch.cuda.nvtx.range_push(f"profile/route-{v}")
+                Switched(run, names)(None)
+                torch.cuda.synchronize()
+                torch.cuda.nvtx.range_pop()
+                continue
             was = {n: getattr(_module(n), n) for n in names}
             for n in names:
                 setattr(_module(n), n, True)
