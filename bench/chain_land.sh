@@ -13,6 +13,8 @@ log=$OUT/land.log
 timeout ${TEST_S:-150} python3 -m pytest -q -m gpu tests/test_gpu_moe.py \
   -k "fast_routes or select_routes or gather_with_the_route or runs_the_top_k" > $OUT/tests.log 2>&1
 rc=$?; tail -3 $OUT/tests.log; [ $rc = 0 ] || { echo "the staged switches' GPU tests failed (rc $rc)"; exit 1; }
+nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 ||
+  { echo "not an H200: nothing to A/B against its winners or decide for tuning_db/h200.sqlite (s45-r2)"; exit 1; }
 (cd bench && timeout ${NAT_S:-110} python3 chain_ab.py --points ${POINTS:-bf16:16:1,mxfp4:16:1} \
   --variants redux,select,select+fused --json $OUT/natural.json >> $log 2>&1
  timeout ${IMP_S:-110} python3 chain_ab.py --imposed --points ${POINTS:-bf16:16:1,mxfp4:16:1} \
