@@ -17,7 +17,7 @@ import argparse
 import statistics
 
 import torch
-from chain_ab import Switched, _module, switches
+from chain_ab import Switched, switches
 from moe import served_ab_args, served_ab_points  # bench/moe.py (this script runs from bench/)
 
 from k3tune.kernels import moe_experts
@@ -64,14 +64,7 @@ def main() -> None:
                 torch.cuda.synchronize()
                 torch.cuda.nvtx.range_pop()
                 continue
-            was = {n: getattr(_module(n), n) for n in names}
-            for n in names:
-                setattr(_module(n), n, True)
-            try:
-                alone = statistics.median(time_graph(run, [{}], args.samples))
-            finally:
-                for n, val in was.items():
-                    setattr(_module(n), n, val)
+            alone = statistics.median(Switched(lambda _x: time_graph(run, [{}], args.samples), names)(None))
             wrapped = Switched(blk, names)
             blk.force_top = pt.top if imposed else None
             wrapped(pt.x)
@@ -88,9 +81,8 @@ def main() -> None:
                 torch.cuda.synchronize()
             inside = [e.time_range.elapsed_us() for e in prof.events()
                       if "Route" in e.name and str(e.device_type).endswith("CUDA")]
-            other = sorted({e.name[:60] for e in prof.events() if "Route" in e.name})
             print(f"  {v:12s} route alone {alone:6.2f} us (with a counts memset) | in the block "
-                  f"{statistics.median(inside) if inside else float('nan'):6.2f} us ({len(inside)} launches) {other[:1]}",
+                  f"{statistics.median(inside) if inside else float('nan'):6.2f} us ({len(inside)} launches)",
                   flush=True)
         del served, pt
 
