@@ -6,6 +6,7 @@
 # The same defaults turned on locally (`sed -i "s/^NAME = False/NAME = True/" k3tune/kernels/moe_experts.py`) give
 # the same keys.
 # Usage (device tool, kind nvidia-h200, carry [".carry"]): bash bench/chain_land.sh
+# POINTS, NAT_VARIANTS (the natural A/B's variants) and IMPOSED=0 (no imposed A/B) shorten the A/B part.
 # Writes $OUT/land.log, imposed.json, natural.json, picked.txt, and split_polish's files.
 set -uo pipefail
 source .carry/cutedsl/unpack.sh || exit 1
@@ -16,11 +17,12 @@ rc=$?; tail -3 $OUT/tests.log; [ $rc = 0 ] || { echo "the staged switches' GPU t
 nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 ||
   { echo "not an H200: nothing to A/B against its winners or decide for tuning_db/h200.sqlite (s45-r2)"; exit 1; }
 (cd bench && timeout ${NAT_S:-110} python3 chain_ab.py --points ${POINTS:-bf16:16:1,mxfp4:16:1} \
-  --variants redux,select,select+fused --json $OUT/natural.json >> $log 2>&1
- timeout ${IMP_S:-110} python3 chain_ab.py --imposed --points ${POINTS:-bf16:16:1,mxfp4:16:1} \
+  --variants ${NAT_VARIANTS:-redux,select,select+fused} --json $OUT/natural.json >> $log 2>&1
+ [ "${IMPOSED:-1}" = 0 ] || timeout ${IMP_S:-110} python3 chain_ab.py --imposed --points ${POINTS:-bf16:16:1,mxfp4:16:1} \
   --variants topk,topk+select,topk+select+fused --json $OUT/imposed.json >> $log 2>&1)
 grep -E "^(bf16|mxfp4)" $log | cut -c1-800
-on=$(python3 bench/chain_pick.py $OUT/natural.json $OUT/imposed.json)
+imposed=$([ "${IMPOSED:-1}" = 0 ] || echo $OUT/imposed.json)  # IMPOSED=0: no imposed A/B, so GATHER_ROUTE stays off
+on=$(python3 bench/chain_pick.py $OUT/natural.json $imposed)
 echo "$on" > $OUT/picked.txt; echo "== picked: ${on:-nothing}"
 [ -n "$on" ] || exit 0
 for n in $on; do sed -i "s/^$n = False/$n = True/" k3tune/kernels/moe_experts.py; done
