@@ -28,6 +28,18 @@ def _check(blk, w, tokens, seed=0):
     return x, out
 
 
+def _replays_to(blk, x, want):
+    """The block captured in a CUDA graph replays, twice, to ``want`` bit for bit (its output poisoned first)."""
+    import torch
+
+    graph, out = _captured(blk, x)
+    for _ in range(2):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want)
+
+
 def _captured(blk, x):
     """(graph, output) of the block captured in a CUDA graph, after a warm-up on the capture stream."""
     import torch
@@ -280,6 +292,85 @@ def test_routed_expert_kernels_match_torch(b, k, experts, inter, latent):
     assert ((sa.float() - ref_sa).norm() / ref_sa.norm()).item() < 1e-2
 
 
+@pytest.mark.parametrize("method", ["redux", "select"])
+@pytest.mark.parametrize("b,k,experts,spread,bias_at", [(64, 16, 896, 0.0, 0.0), (64, 16, 896, 2.0, 0.0),
+                                                         (7, 4, 40, 1.0, -5.0), (33, 32, 896, 0.5, 0.3),
+                                                         (5, 1, 70, 0.0, 0.0), (9, 16, 896, 1.0, 0.0)])
+def test_the_fast_routes_choose_and_weigh_as_the_shuffle_route(method, b, k, experts, spread, bias_at, monkeypatch):
+    """``ROUTE_REDUX`` (off) / ``ROUTE_SELECT`` (on since session 46): the same experts, in the same order, the same weights bit for
+    bit and the same groups as the shuffle route; the kernel that ran is the named one. ``spread`` 0: the scores
+    rounded to halves, so many experts tie (ties go to the lowest id; for select, more than 32 candidates: its redux
+    fallback); negative scores + bias; a partial last warp chunk (40, 70 experts); k = 1 and 32. Which of select's
+    two branches each token takes is counted on the host (both are taken over the cases: see the next test)."""
+    import torch
+
+    from k3tune.kernels import moe_experts
+    from k3tune.kernels.moe_experts import Groups
+
+    y, bias = _route_inputs(b, k, experts, spread, bias_at)
+    seen, real = [], moe_experts.compiled
+
+    def spy(kind, knobs, arch, pdl=0):
+        if kind == "route":
+            seen.append(knobs)
+        return real(kind, knobs, arch, pdl)
+
+    monkeypatch.setattr(moe_experts, "compiled", spy)
+    got = {}
+    for name in ("shuffle", method):
+        monkeypatch.setattr(moe_experts, "ROUTE_REDUX", name == "redux")
+        monkeypatch.setattr(moe_experts, "ROUTE_SELECT", name == "select")
+        grp = Groups.allocate(experts, b, k, 2, "cuda")
+        top = torch.full((b, k), -1, dtype=torch.int32, device="cuda")
+        wts = torch.full((b, k), float("nan"), device="cuda")
+        moe_experts.route(y, bias, top, wts, k, 2.5, grp)
+        torch.cuda.synchronize()
+        got[name] = (top, wts, grp.counts.clone())
+    assert [len(kn) for kn in seen] == [5, 7] and seen[1][5] == method and seen[1][6] is False, seen
+    for a, c in zip(got[method], got["shuffle"]):
+        assert torch.equal(a, c)
+    s = torch.sigmoid(y[:, :experts].float()) + bias
+    kth = torch.topk(s, k, dim=-1).values[:, -1:]
+    assert bool((s.gather(1, got[method][0].long()) >= kth - 1e-3).all())
+
+
+def _route_inputs(b, k, experts, spread, bias_at):
+    import torch
+
+    g = torch.Generator(device="cuda").manual_seed(b * 7 + k)
+    y = torch.randn(b, experts + 64, device="cuda", generator=g)
+    if spread == 0.0:
+        y = (y * 2).round() / 2
+    y = y.to(torch.bfloat16)
+    return y, torch.randn(experts, device="cuda", generator=g) * spread * 0.1 + bias_at
+
+
+def _select_candidates(y, bias, k, experts):
+    """Per token, how many keys the select route's bound admits (its redux fallback past 32), on the host."""
+    import torch
+
+    s = torch.sigmoid(y[:, :experts].float()) + bias
+    pad = torch.full((s.shape[0], -(-experts // 32) * 32), float("-inf"), device=s.device)
+    pad[:, :experts] = s
+    lane_max = pad.view(s.shape[0], -1, 32).amax(1)  # expert e sits in lane e % 32
+    bound = torch.topk(lane_max, k, dim=-1).values[:, -1:]
+    return (s >= bound).sum(-1)
+
+
+def test_the_select_routes_cases_take_both_of_its_branches():
+    """The cases above give the select route tokens under its 32-candidate bound (the sort) and over it (the
+    redux rounds): each branch is compared with the shuffle route there, not left to a silent fallback."""
+    counts = []
+    for b, k, experts, spread, bias_at in [(64, 16, 896, 0.0, 0.0), (64, 16, 896, 2.0, 0.0), (7, 4, 40, 1.0, -5.0),
+                                           (33, 32, 896, 0.5, 0.3), (5, 1, 70, 0.0, 0.0), (9, 16, 896, 1.0, 0.0)]:
+        y, bias = _route_inputs(b, k, experts, spread, bias_at)
+        counts.append(_select_candidates(y, bias, k, experts))
+    import torch
+
+    c = torch.cat(counts)
+    assert int((c <= 32).sum()) > 0 and int((c > 32).sum()) > 0, c.tolist()
+
+
 @pytest.mark.parametrize("b,k,latent,slices,cluster", [(1, 16, 3584, 16, 8), (5, 16, 3584, 8, 8), (64, 16, 3584, 1, 8),
                                                         (3, 4, 264, 1, 2), (2, 3, 240, 1, 4), (2, 3, 400, 2, 2),
                                                         (7, 5, 1000, 2, 1), (2, 3, 4100, 1, 1), (2, 16, 3584, 16, 8)])
@@ -432,8 +523,6 @@ def test_a_block_with_pdl_launches_its_kernels_as_dependents_matches_and_capture
     """pdl = 1: every kernel the block launches itself gets pdl=True (route, both expert kernels, the norm with the
     routed all-reduce's spin, the shared SiTU, both fused stand-ins), on a real split with stand-ins timed by a
     link; it matches the reference eagerly, and a CUDA graph of it replays to the same output (poisoned first)."""
-    import torch
-
     from k3tune.kernels import moe_experts, moe_experts_tc
     from k3tune.runtime import Selector
     from k3tune.runtime.moe import EmulatedComm
@@ -464,11 +553,116 @@ def test_a_block_with_pdl_launches_its_kernels_as_dependents_matches_and_capture
                 "moe_experts.situ_rows", "moe_experts.gather_rows", "moe_experts.reduce_add_rows"}
         assert {n for n, _ in calls} == want, calls
         assert all(p is True for _, p in calls), calls
-        graph, out = _captured(blk, x)
-        for _ in range(2):
-            out.fill_(float("nan"))
-            graph.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(out, eager)
+        _replays_to(blk, x, eager)
     finally:
         split.close()
+
+
+@pytest.mark.parametrize("batch", [1, 5])
+def test_w2_asking_l2_for_its_tile_before_the_pdl_wait_matches_and_captures(batch, monkeypatch):
+    """``W2_EARLY_L2`` (off: refuted, session 45): the w2 kernel that ran is the early one (its knobs say so, with pdl); the block
+    matches the reference eagerly and replays a graph of it to the same output (poisoned first)."""
+    from k3tune.kernels import moe_experts
+    from k3tune.runtime import Selector
+    from k3tune.runtime.moe import EmulatedComm
+
+    seen, real = [], moe_experts.compiled
+
+    def spy(kind, knobs, arch, pdl=0):
+        if kind == "w2":
+            seen.append((knobs, pdl))
+        return real(kind, knobs, arch, pdl)
+
+    monkeypatch.setattr(moe_experts, "compiled", spy)
+    monkeypatch.setattr(moe_experts, "W2_EARLY_L2", True)
+    w = random_weights(K3, 16, fmt="bf16", device="cuda", seed=41 + batch)
+    blk = MoEBlock.build(w, "tuned", batch=batch, selector=Selector.load(),
+                         experts_cfg=moe_experts.default_config(batch), comm=EmulatedComm.for_target("gb300", 16),
+                         pdl=1)
+    x, eager = _check(blk, w, batch)
+    assert seen and all(len(k) == 6 and k[5] is True and p == 1 for k, p in seen), seen
+    _replays_to(blk, x, eager)
+
+
+@pytest.mark.parametrize("batch,imposed,method,pdl", [(1, False, "shuffle", 1), (5, False, "select", 1),
+                                                      (3, True, "select", 1), (2, False, "redux", 0)])
+def test_the_gather_with_the_route_in_its_launch_matches_the_two_launches(batch, imposed, method, pdl, monkeypatch):
+    """``GATHER_ROUTE`` (off: slower at MXFP4 b1, session 45): the fused gather + route kernel ran and no separate route did; the block's output,
+    experts and weights equal the unfused block's bit for bit (the router's own choices with each top-k method, or
+    an imposed routing that runs the top-k too), it matches the reference, and a graph of it replays the same."""
+    import torch
+
+    from k3tune.kernels import moe_experts
+    from k3tune.runtime import Selector
+    from k3tune.runtime.moe import EmulatedComm
+
+    monkeypatch.setattr(moe_experts, "ROUTE_REDUX", method == "redux")
+    monkeypatch.setattr(moe_experts, "ROUTE_SELECT", method == "select")
+    monkeypatch.setattr(moe_experts, "FORCED_TOPK", imposed)
+    w = random_weights(K3, 16, fmt="bf16", device="cuda", seed=61 + batch)
+    blocks = [MoEBlock.build(w, "tuned", batch=batch, selector=Selector.load(),
+                             experts_cfg=moe_experts.default_config(batch), comm=EmulatedComm.for_target("gb300", 16),
+                             pdl=pdl) for _ in range(2)]
+    x = torch.randn(batch, K3.hidden, device="cuda").to(torch.bfloat16)
+    if imposed:
+        top = torch.stack([torch.randperm(K3.experts, device="cuda")[:K3.top_k] for _ in range(batch)]).int()
+        for b in blocks:
+            b.force_top = top
+    want = blocks[0](x).clone()
+    want_top, want_wts = blocks[0].last_top.clone(), blocks[0]._cache["wts"].clone()
+    seen, real = [], moe_experts.compiled
+
+    def spy(kind, knobs, arch, p=0):
+        seen.append((kind, knobs, p))
+        return real(kind, knobs, arch, p)
+
+    monkeypatch.setattr(moe_experts, "compiled", spy)
+    monkeypatch.setattr(moe_experts, "GATHER_ROUTE", True)
+    blk = blocks[1]
+    blk._cache["wts"].fill_(float("nan"))
+    got = blk(x)
+    kinds = [k for k, _, _ in seen]
+    assert "gather_route" in kinds and "route" not in kinds and "gather" not in kinds, kinds
+    fused = next(kn for k, kn, _ in seen if k == "gather_route")
+    assert fused[5] is imposed and fused[7] == method and fused[8] is imposed, fused
+    assert all(p == pdl for k, _, p in seen if k == "gather_route"), seen
+    assert torch.equal(got, want)
+    assert torch.equal(blk.last_top, want_top) and torch.equal(blk._cache["wts"], want_wts)
+    if not imposed:
+        _check(blk, w, batch)
+    _replays_to(blk, x, want)
+
+
+@pytest.mark.parametrize("method", ["shuffle", "select"])
+def test_an_imposed_routing_that_runs_the_top_k_gives_the_imposed_blocks_numbers(method, monkeypatch):
+    """``FORCED_TOPK`` (on since session 46): under an imposed routing the route kernel still runs the top-k (its knobs say so),
+    and the block's output, experts and weights are those of the imposed routing without it, bit for bit."""
+    import torch
+
+    from k3tune.kernels import moe_experts
+    from k3tune.runtime import Selector
+    from k3tune.runtime.moe import EmulatedComm
+
+    monkeypatch.setattr(moe_experts, "ROUTE_SELECT", method == "select")
+    w = random_weights(K3, 16, fmt="bf16", device="cuda", seed=71)
+    blocks = [MoEBlock.build(w, "tuned", batch=4, selector=Selector.load(), experts_cfg=moe_experts.default_config(4),
+                             comm=EmulatedComm.for_target("gb300", 16), pdl=1) for _ in range(2)]
+    x = torch.randn(4, K3.hidden, device="cuda").to(torch.bfloat16)
+    top = torch.stack([torch.randperm(K3.experts, device="cuda")[:K3.top_k] for _ in range(4)]).int()
+    outs, seen, real = [], [], moe_experts.compiled
+
+    def spy(kind, knobs, arch, p=0):
+        seen.append((kind, knobs))
+        return real(kind, knobs, arch, p)
+
+    monkeypatch.setattr(moe_experts, "compiled", spy)
+    for blk, on in zip(blocks, (False, True)):
+        monkeypatch.setattr(moe_experts, "FORCED_TOPK", on)
+        blk.force_top = top
+        blk._cache["wts"].fill_(float("nan"))
+        outs.append((blk(x).clone(), blk._cache["wts"].clone()))
+    routes = [kn for k, kn in seen if k == "route"]
+    assert routes[0][3] is True and (len(routes[0]) == 5 or routes[0][6] is False), routes
+    assert routes[-1][3] is True and routes[-1][5] == method and routes[-1][6] is True, routes
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    assert torch.equal(blocks[1].last_top, top)

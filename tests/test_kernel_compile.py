@@ -69,6 +69,15 @@ def test_moe_expert_kernels_compile(arch):
                             ("sum_norm", (16, 1e-5, 1, 16, 128, 8)), ("sum_norm", (4, 1e-5, 3, 8, 64, 2)),
                             ("situ", (4.0, 25.0)), ("gather", (16,)), ("reduce_add", (8,))]:
             assert moe_kernel(kind, knobs, arch) is not None, (kind, knobs)
+        assert moe_kernel("w2", (4, 1, 1, 8, 1, True), arch, 1) is not None  # W2_EARLY_L2: the prefetch before the wait
+        for knobs in ((896, 16, 2.5, False, 1, "redux", False), (896, 16, 2.5, False, 1, "select", False),
+                      (40, 4, 1.0, False, 2, "select", False), (70, 32, 1.0, False, 1, "select", False),
+                      (896, 16, 2.5, True, 1, "select", True), (896, 16, 2.5, True, 1, "shuffle", True)):
+            assert moe_kernel("route", knobs, arch, 1) is not None  # ROUTE_REDUX, ROUTE_SELECT, FORCED_TOPK
+        for forced, method in ((False, "shuffle"), (False, "redux"), (False, "select"), (True, "shuffle")):
+            knobs = (16, 280, 896, 16, 2.5, forced, 1, method, forced)  # GATHER_ROUTE
+            assert moe_kernel("gather_route", knobs, arch, 1) is not None
+        assert moe_kernel("gather_route", (8, 37, 70, 4, 1.0, False, 2, "select", False), arch) is not None
 
 
 def test_sum_norm_layout_spreads_k3s_rows_over_clusters_of_8():

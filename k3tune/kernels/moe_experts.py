@@ -21,6 +21,10 @@ Every kernel here takes ``pdl``: launched as a programmatic dependent, each CTA 
 (``griddepcontrol.wait``) before reading anything and then lets the next one launch, so a chain of them overlaps
 each launch with the previous kernel's tail (the block's ``pdl`` knob; pdl = 0 emits neither instruction).
 
+Staged switches (off; ``bench/chain_ab.py`` measures them before they become the code every block is keyed on):
+``ROUTE_REDUX`` (the route's k rounds of argmax by ``redux.sync``) and ``W2_EARLY_L2`` (w2's weight tile asked of L2
+before its PDL wait).
+
 Grouping by expert matters once tokens share experts: at batch 64 with skewed routing ~280 experts serve
 1024 slots, and a kernel per (token, choice) would read each of them ~3.6 times.
 
@@ -89,6 +93,7 @@ def current_arch() -> str:
 
 
 NEG = -3.0e38
+KEY_NONE = -(1 << 31)  # below every float's orderable key (the redux route's removed or missing experts)
 
 
 def _fake_args(kind: str, arch: str):
@@ -114,6 +119,10 @@ def _fake_args(kind: str, arch: str):
         return (fake(Float32, (t, n4), stride_order=(1, 0), assumed_align=16),
                 fake(BFloat16, (cute.sym_int(),), assumed_align=2),
                 fake(BFloat16, (b, cute.sym_int()), stride_order=(1, 0), assumed_align=2), groups[0], Int64(0))
+    if kind == "gather_route":
+        return (fake(BFloat16, (b, cute.sym_int()), stride_order=(1, 0), assumed_align=2),
+                fake(BFloat16, (b, cute.sym_int()), stride_order=(1, 0), assumed_align=2),
+                fake(Float32, (cute.sym_int(),), assumed_align=4), top, wt, *groups, Int64(0))
     if kind in ("gather", "reduce_add"):
         rows = [fake(BFloat16, (b, cute.sym_int()), stride_order=(1, 0), assumed_align=2)
                 for _ in range(2 if kind == "gather" else 3)]
@@ -143,6 +152,18 @@ def compiled(kind: str, knobs: tuple, arch: str, pdl: int = 0):
     return cute.compile(kern, *_fake_args(kind, arch), make_fake_stream(), options=f"--gpu-arch {arch}")
 
 
+ROUTE_REDUX = False  # staged (bench/chain_ab.py): the top-k rounds by redux.sync (Route.top_k_redux)
+ROUTE_SELECT = True  # staged (bench/chain_ab.py): the top-k by a bound and one bitonic sort (Route.top_k_select)
+FORCED_TOPK = True  # staged: an imposed routing still runs the top-k (its cost measured), then imposes its experts
+
+
+def topk(forced: bool) -> tuple[str, bool]:
+    """(the route kernel's top-k method, whether an imposed routing runs it too) under the module's switches."""
+    method = "select" if ROUTE_SELECT else "redux" if ROUTE_REDUX else "shuffle"
+    return method, bool(forced and FORCED_TOPK)
+GATHER_ROUTE = False  # staged (bench/chain_ab.py): the router's all-gather stand-in and the route in one launch
+
+
 def route(scores_and_latent, bias, top, weights, top_k: int, scaling: float, groups: Groups,
           forced: bool = False, stream=None, pdl: bool = False):
     """top [B, k] int32, weights [B, k] fp32 from the router scores (the first len(bias) columns), and the
@@ -153,7 +174,10 @@ def route(scores_and_latent, bias, top, weights, top_k: int, scaling: float, gro
 
     if not 0 < top_k <= 32:
         raise ConfigError(f"the route kernel keeps one choice per lane of a warp: top_k {top_k} is not in 1..32")
-    fn = compiled("route", (bias.shape[0], top_k, float(scaling), forced, groups.per), current_arch(), int(pdl))
+    method, forced_topk = topk(forced)
+    knobs = (bias.shape[0], top_k, float(scaling), forced, groups.per) + \
+        ((method, forced_topk) if method != "shuffle" or forced_topk else ())
+    fn = compiled("route", knobs, current_arch(), int(pdl))
     fn(_t(scores_and_latent, 2), _t(bias, 4), _t(top, 4), _t(weights, 4), *_groups(groups), _stream(stream))
 
 
@@ -167,10 +191,19 @@ def run_w13(cfg: ExpertKernelConfig, latent, w13, act, weights, groups: Groups, 
     fn(_t(latent, 16), _t(w13, 16), _t(act, 2), _t(weights, 4), *_groups(groups), _stream(stream))
 
 
+W2_EARLY_L2 = False  # staged (bench/chain_ab.py): w2's CTAs pull their weight tile into L2 before the PDL wait
+
+
 def run_w2(cfg: ExpertKernelConfig, act, w2, out, weights, groups: Groups, stream=None, pdl: bool = False):
-    """out[slot, :L] = weight[slot] * act[slot] . w2 rows (fp32), over the work items of ``groups``."""
+    """out[slot, :L] = weight[slot] * act[slot] . w2 rows (fp32), over the work items of ``groups``.
+    With ``pdl`` and ``W2_EARLY_L2``, each CTA first asks L2 for its first item's weight tile
+    (``cp.async.bulk.prefetch.L2``), then waits for w13: a w2 CTA resident during w13's tail streams its weights
+    meanwhile. The items it reads for that were written by the route kernel before w13 (complete before any w13
+    CTA let w2 launch); the expert id is clamped, so a stale item can only prefetch the wrong tile."""
     _check(cfg, groups)
-    fn = compiled("w2", (cfg.rows, cfg.warps, cfg.unroll, cfg.lanes, groups.per), current_arch(), int(pdl))
+    early = bool(pdl and W2_EARLY_L2)
+    knobs = (cfg.rows, cfg.warps, cfg.unroll, cfg.lanes, groups.per) + ((True,) if early else ())
+    fn = compiled("w2", knobs, current_arch(), int(pdl))
     fn(_t(act, 16), _t(w2, 16), _t(out, 4), _t(weights, 4), *_groups(groups), _stream(stream))
 
 
@@ -232,6 +265,24 @@ def gather_rows(x, out, tp: int, cycles: int = 0, stream=None, pdl: bool = False
     fn(_t(x, 2), _t(out, 2), int(cycles), _stream(stream))
 
 
+def gather_route(x, out, tp: int, bias, top, weights, top_k: int, scaling: float, groups: Groups,
+                 forced: bool = False, cycles: int = 0, stream=None, pdl: bool = False):
+    """``gather_rows(x, out, tp, cycles)`` and ``route(out, ...)`` in one launch (staged: GATHER_ROUTE): the
+    routing CTAs spin the stand-in's cycles beside the gather's, then route from x's copy of the scores, as a
+    fused all-gather kernel would route once its peers' parts are in. Same outputs as the two launches."""
+    from k3tune.errors import ConfigError
+
+    if out.shape != (x.shape[0], tp * x.shape[1]) or top.shape[0] != x.shape[0]:
+        raise ConfigError(f"gather_route: out {list(out.shape)} is not [{x.shape[0]}, {tp} x {x.shape[1]}] or top "
+                          f"{list(top.shape)} has another batch")
+    if not 0 < top_k <= 32 or bias.shape[0] > out.shape[1]:
+        raise ConfigError(f"gather_route: top_k {top_k} not in 1..32 or {bias.shape[0]} experts past the row")
+    knobs = (tp, x.shape[1], bias.shape[0], top_k, float(scaling), forced, groups.per, *topk(forced))
+    fn = compiled("gather_route", knobs, current_arch(), int(pdl))
+    fn(_t(x, 2), _t(out, 2), _t(bias, 4), _t(top, 4), _t(weights, 4), *_groups(groups), int(cycles),
+       _stream(stream))
+
+
 def reduce_add_rows(x, base, out, tp: int, cycles: int = 0, stream=None, pdl: bool = False):
     """out = base + tp x (bf16, fp32 math) after ``cycles`` SM cycles of spin: an emulated all-reduce (every rank
     holding x) fused with the residual add, in one launch."""
@@ -272,6 +323,7 @@ def _kernel_classes():
     import cutlass.cute as cute
     from cuda.bindings import driver as cuda
     from cutlass import BFloat16, Float32, Int32, Int64
+    from cutlass.experimental.primitives import cp_async_bulk_prefetch
 
     @cute.jit
     def spin_once(cycles: Int64, bidx: Int32, tidx: Int32):
@@ -302,8 +354,9 @@ def _kernel_classes():
                 cute.arch.griddepcontrol_launch_dependents()
 
     class ExpertGemv(Pdl):
-        def __init__(self, which, rows, warps, unroll, lanes, per, beta=0.0, linear_beta=0.0):
+        def __init__(self, which, rows, warps, unroll, lanes, per, beta=0.0, linear_beta=0.0, early=False):
             self.w13 = which == "w13"
+            self.early = early  # w2 only (see run_w2): its first item's weight tile into L2 before the PDL wait
             self.rows, self.warps, self.unroll, self.lanes, self.per = rows, warps, unroll, lanes, per
             self.beta, self.lin = beta, linear_beta
             self.nrows = 2 * rows if self.w13 else rows  # weight rows a group reads: gate + up for w13
@@ -326,6 +379,8 @@ def _kernel_classes():
         @cute.kernel
         def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mOut: cute.Tensor, mWt: cute.Tensor,
                    mCnt: cute.Tensor, mItems: cute.Tensor, mSlots: cute.Tensor):
+            if cutlass.const_expr(self.early and self.pdl and not self.w13):
+                self.early_l2(mW, mCnt, mItems)
             self.pdl_start()
             R, NR, W, U, P, L = self.rows, self.nrows, self.warps, self.unroll, self.per, self.lanes
             G, KW, CR = self.groups, self.ksplit, self.cta_rows
@@ -429,10 +484,29 @@ def _kernel_classes():
                             mOut[slot, row] = s * mWt[slot // k, slot % k]
                 cute.arch.sync_threads()  # red is reused by the next item
 
+        @cute.jit
+        def early_l2(self, mW: cute.Tensor, mCnt: cute.Tensor, mItems: cute.Tensor):
+            """One thread: this CTA's rows of its first item's expert (contiguous: rows x K bf16) into L2."""
+            tidx, _, _ = cute.arch.thread_idx()
+            bidx, bidy, _ = cute.arch.block_idx()
+            if tidx == 0 and bidx < mCnt[mCnt.shape[0] - 1]:
+                e = cutlass.max(cutlass.min(mItems[bidx] >> ITEM_SHIFT, mW.shape[0] - 1), 0)
+                row0 = bidy * self.cta_rows
+                nrows = cutlass.min(self.cta_rows, mW.shape[1] - row0)
+                kk = mW.shape[2]
+                first = (Int64(e) * mW.shape[1] + row0) * kk  # 64-bit: past 2^31 elements at tp <= 2
+                cp_async_bulk_prefetch(mW.iterator + first, nrows * kk * 2)
+
     class Route(Pdl):
-        def __init__(self, experts, top_k, scaling, forced=False, per=1):
+        """``method``: how the k choices are found (``topk`` in ``route``): "shuffle" (k rounds of a warp argmax by
+        shuffles), "redux" (the rounds by ``redux.sync``), "select" (a bound, one bitonic sort of the candidates: see
+        ``top_k_select``). ``forced_topk``: with ``forced``, the top-k still runs, as a served step runs it, and
+        the imposed experts replace its choices (an imposed routing then costs what the router's own does)."""
+
+        def __init__(self, experts, top_k, scaling, forced=False, per=1, method="shuffle", forced_topk=False):
             self.E, self.K, self.scaling, self.forced, self.per_item = experts, top_k, scaling, forced, per
             self.per = (experts + 31) // 32
+            self.method, self.forced_topk = method, forced_topk
 
         @cute.jit
         def __call__(self, mY: cute.Tensor, mBias: cute.Tensor, mTop: cute.Tensor, mWt: cute.Tensor,
@@ -446,42 +520,46 @@ def _kernel_classes():
             self.pdl_start()
             lane, _, _ = cute.arch.thread_idx()
             b, _, _ = cute.arch.block_idx()
+            sI, sF = self.scratch()
+            self.route_token(mY, mBias, mTop, mWt, mCnt, mItems, mSlots, b, lane, sI, sF)
+
+        def score(self, mY, b, e):
+            """Token b's router score of expert e (a plain function: inlined where it is traced)."""
+            return mY[b, e]
+
+        def scratch(self):
+            """The select top-k's shared memory (a warp's candidates: keys and ids, sigmoids and chosen weights; slots
+            32-63: each lane's spare, where its non-candidates' stores land)."""
+            smem = cutlass.memory.SmemAllocator()
+            return (smem.allocate_tensor(Int32, cute.make_layout((2, 64), stride=(64, 1)), 16),
+                    smem.allocate_tensor(Float32, cute.make_layout((2, 64), stride=(64, 1)), 16))
+
+        @cute.jit
+        def route_token(self, mY: cute.Tensor, mBias: cute.Tensor, mTop: cute.Tensor, mWt: cute.Tensor,
+                        mCnt: cute.Tensor, mItems: cute.Tensor, mSlots: cute.Tensor, b: Int32, lane: Int32,
+                        sI: cute.Tensor, sF: cute.Tensor):
+            """Token b's top-k, weights and slot grouping, by the one warp whose lanes are ``lane``."""
             my_w = Float32(0.0)  # lane r keeps the r-th choice: no lane reads another lane's stores
             my_id = Int32(0)
             total = Float32(0.0)
+            if cutlass.const_expr(not self.forced or self.forced_topk):
+                sig, key = self.keys(mY, mBias, b, lane)
+                if cutlass.const_expr(self.method == "select"):
+                    my_w, my_id, total = self.top_k_select(sig, key, lane, sI, sF)
+                elif cutlass.const_expr(self.method == "redux"):
+                    my_w, my_id, total = self.top_k_redux(sig, key, lane)
+                else:
+                    my_w, my_id, total = self.top_k_shuffle(sig, key, lane)
             if cutlass.const_expr(self.forced):
+                nat = my_id + Int32(cutlass.select_(my_w * total == Float32(-7.0), 1, 0))  # the router's choice
+                my_w = Float32(0.0)
+                my_id = Int32(0)
                 if lane < self.K:
                     my_id = mTop[b, lane]
-                    my_w = Float32(1.0) / (Float32(1.0) + cute.math.exp(-mY[b, my_id].to(Float32)))
+                    if cutlass.const_expr(self.forced_topk):  # never true: keeps the top-k from being optimised away
+                        my_id = Int32(cutlass.select_(nat == Int32(-7), nat, my_id))
+                    my_w = Float32(1.0) / (Float32(1.0) + cute.math.exp(-self.score(mY, b, my_id).to(Float32)))
                 total = cute.arch.warp_reduction_sum(my_w)
-            else:
-                vals = cute.make_rmem_tensor(cute.make_layout(self.per), Float32)
-                sig = cute.make_rmem_tensor(cute.make_layout(self.per), Float32)
-                for i in cutlass.range_constexpr(self.per):
-                    e = cutlass.min(lane + 32 * i, self.E - 1)
-                    s = Float32(1.0) / (Float32(1.0) + cute.math.exp(-mY[b, e].to(Float32)))
-                    inside = cutlass.min(self.E - (lane + 32 * i), 1)  # 1 for a real expert, <= 0 past the end
-                    sig[i] = s
-                    vals[i] = s + mBias[e] if cutlass.const_expr(32 * (i + 1) <= self.E) else \
-                        Float32(cutlass.select_(inside > 0, s + mBias[e], Float32(NEG)))
-                for r in cutlass.range_constexpr(self.K):
-                    best = Float32(NEG)
-                    for i in cutlass.range_constexpr(self.per):
-                        best = cute.arch.fmax(best, vals[i])
-                    best = cute.arch.warp_reduction_max(best)
-                    idx = Int32(1 << 30)
-                    for i in cutlass.range_constexpr(self.per):  # the lowest expert id holding the best score
-                        idx = cutlass.min(idx, Int32(cutlass.select_(vals[i] == best, lane + 32 * i, Int32(1 << 30))))
-                    idx = cute.arch.warp_reduction(idx, lambda x, y: cutlass.min(x, y))
-                    chosen = Float32(0.0)
-                    for i in cutlass.range_constexpr(self.per):
-                        hit = lane + 32 * i == idx
-                        chosen = chosen + Float32(cutlass.select_(hit, sig[i], Float32(0.0)))
-                        vals[i] = Float32(cutlass.select_(hit, Float32(NEG), vals[i]))
-                    chosen = cute.arch.warp_reduction_sum(chosen)
-                    total = total + chosen
-                    my_w = Float32(cutlass.select_(lane == r, chosen, my_w))
-                    my_id = Int32(cutlass.select_(lane == r, idx, my_id))
             if lane < self.K:
                 if cutlass.const_expr(not self.forced):
                     mTop[b, lane] = my_id
@@ -492,6 +570,123 @@ def _kernel_classes():
                 if pos % self.per_item == 0:
                     at = cute.arch.atomic_add(mCnt.iterator + self.E, Int32(1))
                     mItems[at] = (my_id << ITEM_SHIFT) | pos
+
+        @cute.jit
+        def keys(self, mY: cute.Tensor, mBias: cute.Tensor, b: Int32, lane: Int32):
+            """(sigmoid of the score, score + bias as an Int32 whose signed order is the float order) of experts
+            lane + 32 i: a negative float's low 31 bits flipped (no -0.0 arises: sigmoid > 0); KEY_NONE past E."""
+            P = self.per
+            vals = cute.make_rmem_tensor(cute.make_layout(P), Float32)
+            sig = cute.make_rmem_tensor(cute.make_layout(P), Float32)
+            raw = cute.make_rmem_tensor(cute.make_layout(P), Float32)
+            for i in cutlass.range_constexpr(P):  # every load first: the sigmoids' reciprocals branch (their slow
+                e = cutlass.min(lane + 32 * i, self.E - 1)  # path), and a load after a branch waits for it
+                raw[i] = self.score(mY, b, e).to(Float32)
+                vals[i] = mBias[e]
+            for i in cutlass.range_constexpr(P):
+                sig[i] = Float32(1.0) / (Float32(1.0) + cute.math.exp(-raw[i]))
+                vals[i] = sig[i] + vals[i]
+            bits = cute.recast_tensor(vals, Int32)
+            key = cute.make_rmem_tensor(cute.make_layout(P), Int32)
+            for i in cutlass.range_constexpr(P):
+                v = bits[i]
+                k = v ^ ((v >> 31) & Int32(0x7FFFFFFF))
+                key[i] = k if cutlass.const_expr(32 * (i + 1) <= self.E) else \
+                    Int32(cutlass.select_(lane + 32 * i < self.E, k, Int32(KEY_NONE)))
+            return sig, key
+
+        @cute.jit
+        def top_k_shuffle(self, sig: cute.Tensor, key: cute.Tensor, lane: Int32):
+            """k rounds of a warp argmax by shuffles (the highest key, ties to the lowest expert id)."""
+            my_w = Float32(0.0)
+            my_id = Int32(0)
+            total = Float32(0.0)
+            for r in cutlass.range_constexpr(self.K):
+                best = Int32(KEY_NONE)
+                for i in cutlass.range_constexpr(self.per):
+                    best = cutlass.max(best, key[i])
+                best = cute.arch.warp_reduction(best, lambda x, y: cutlass.max(x, y))
+                idx = Int32(1 << 30)
+                for i in cutlass.range_constexpr(self.per):  # the lowest expert id holding the best key
+                    idx = cutlass.min(idx, Int32(cutlass.select_(key[i] == best, lane + 32 * i, Int32(1 << 30))))
+                idx = cute.arch.warp_reduction(idx, lambda x, y: cutlass.min(x, y))
+                chosen = Float32(0.0)
+                for i in cutlass.range_constexpr(self.per):
+                    hit = lane + 32 * i == idx
+                    chosen = chosen + Float32(cutlass.select_(hit, sig[i], Float32(0.0)))
+                    key[i] = Int32(cutlass.select_(hit, Int32(KEY_NONE), key[i]))
+                chosen = cute.arch.warp_reduction_sum(chosen)
+                total = total + chosen
+                my_w = Float32(cutlass.select_(lane == r, chosen, my_w))
+                my_id = Int32(cutlass.select_(lane == r, idx, my_id))
+            return my_w, my_id, total
+
+        @cute.jit
+        def top_k_redux(self, sig: cute.Tensor, key: cute.Tensor, lane: Int32):
+            """The shuffle rounds' choices and weights, each round's argmax as two ``redux.sync`` (sm_80+) instead of
+            ten shuffle steps: the warp's max key, then the lowest expert id holding it; the chosen sigmoid comes
+            from its lane by one shuffle. Each lane's max is a pairwise tree, not a chain."""
+            P = self.per
+            my_w = Float32(0.0)
+            my_id = Int32(0)
+            total = Float32(0.0)
+            for r in cutlass.range_constexpr(self.K):
+                best = cute.arch.warp_redux_sync(pairwise([key[i] for i in range(P)], cutlass.max), "max")
+                idx = cute.arch.warp_redux_sync(pairwise([Int32(cutlass.select_(key[i] == best, lane + 32 * i,
+                                                                                Int32(1 << 30))) for i in range(P)],
+                                                         cutlass.min), "min")
+                mine = Float32(0.0)
+                for i in cutlass.range_constexpr(P):
+                    hit = lane + 32 * i == idx
+                    mine = Float32(cutlass.select_(hit, sig[i], mine))
+                    key[i] = Int32(cutlass.select_(hit, Int32(KEY_NONE), key[i]))
+                chosen = cute.arch.shuffle_sync(mine, idx % 32)
+                total = total + chosen
+                my_w = Float32(cutlass.select_(lane == r, chosen, my_w))
+                my_id = Int32(cutlass.select_(lane == r, idx, my_id))
+            return my_w, my_id, total
+
+        @cute.jit
+        def top_k_select(self, sig: cute.Tensor, key: cute.Tensor, lane: Int32, sI: cute.Tensor, sF: cute.Tensor):
+            """The rounds' choices, order and weights without k dependent rounds. The k-th largest of the 32 lanes'
+            maxima, L, bounds the k-th largest key from below (k lanes hold a key >= L each), so every choice, ties
+            at the k-th place included, is among the candidates key >= L: typically ~k + 6 of the 896. They are
+            compacted into shared memory by ballots and sorted once, one a lane, by a bitonic network of shuffles
+            (key descending, expert id ascending: the rounds' order); lane r < k then holds the r-th choice, and the
+            weights' total is summed in that order (bit for bit the rounds' sum). More than 32 candidates (ties in
+            bulk): the redux rounds."""
+            P, K = self.per, self.K
+            L = cute.arch.shuffle_sync(bitonic_desc(pairwise([key[i] for i in range(P)], cutlass.max), lane), K - 1)
+            pos = cute.make_rmem_tensor(cute.make_layout(P), Int32)
+            cum = Int32(0)
+            for i in cutlass.range_constexpr(P):
+                mask = cute.arch.vote_ballot_sync(key[i] >= L)
+                pos[i] = Int32(cutlass.select_(key[i] >= L, cum + cute.arch.popc(mask & cute.arch.lanemask_lt()),
+                                               Int32(-1)))
+                cum = cum + cute.arch.popc(mask)
+            my_w = Float32(0.0)
+            my_id = Int32(0)
+            total = Float32(0.0)
+            if cum <= 32:
+                sI[0, lane] = Int32(KEY_NONE)
+                sI[1, lane] = Int32(1 << 30)
+                sF[0, lane] = Float32(0.0)
+                cute.arch.sync_warp()
+                for i in cutlass.range_constexpr(P):  # branch-free: a non-candidate writes its lane's spare slot
+                    at = Int32(cutlass.select_(pos[i] >= 0, pos[i], 32 + lane))
+                    sI[0, at] = key[i]
+                    sI[1, at] = lane + 32 * i
+                    sF[0, at] = sig[i]
+                cute.arch.sync_warp()
+                k, e, w = bitonic_desc_pairs(sI[0, lane], sI[1, lane], sF[0, lane], lane)
+                sF[1, lane] = w
+                cute.arch.sync_warp()
+                for r in cutlass.range_constexpr(K):
+                    total = total + sF[1, r]
+                my_w, my_id = w, e
+            else:
+                my_w, my_id, total = self.top_k_redux(sig, key, lane)
+            return my_w, my_id, total
 
     class SumNorm(Pdl):
         """A token's row over ``cluster`` CTAs (one thread-block cluster): CTA c of the token's cluster owns output
@@ -600,15 +795,62 @@ def _kernel_classes():
                         acc = acc + row[r * wc + q]
                     mOut[b, rank * wc + q] = acc.to(BFloat16)
 
+    def pairwise(vals, op):
+        """op over ``vals`` as a pairwise tree, unrolled at trace time (a plain function: the DSL leaves its loop
+        alone): depth log2(len), not len."""
+        while len(vals) > 1:
+            vals = [op(vals[j], vals[j + 1]) if j + 1 < len(vals) else vals[j] for j in range(0, len(vals), 2)]
+        return vals[0]
+
+    def keep_first(lane, j, k):
+        """In a bitonic sorting network's stage (k, j): whether this lane keeps the element that sorts first
+        (descending overall: in the final stage, k = 32, the lower lane of each pair)."""
+        return ((lane // j) ^ (lane // k)) % 2 == 0
+
+    def bitonic_desc(v, lane):
+        """32 Int32 values, one a lane, sorted descending (lane 0 the largest) by shuffles."""
+        k = 2
+        while k <= 32:
+            j = k // 2
+            while j >= 1:
+                p = cute.arch.shuffle_sync_bfly(v, j)
+                v = Int32(cutlass.select_(keep_first(lane, j, k), cutlass.max(v, p), cutlass.min(v, p)))
+                j //= 2
+            k *= 2
+        return v
+
+    def bitonic_desc_pairs(key, ident, val, lane):
+        """32 (key, id, value) triples, one a lane, sorted by key descending, then id ascending (distinct ids)."""
+        k = 2
+        while k <= 32:
+            j = k // 2
+            while j >= 1:
+                pk = cute.arch.shuffle_sync_bfly(key, j)
+                pi = cute.arch.shuffle_sync_bfly(ident, j)
+                pv = cute.arch.shuffle_sync_bfly(val, j)
+                p_first = Int32(cutlass.select_(pk > key, 1, Int32(cutlass.select_(pk == key, Int32(
+                    cutlass.select_(pi < ident, 1, 0)), 0))))
+                me_first = Int32(cutlass.select_(key > pk, 1, Int32(cutlass.select_(pk == key, Int32(
+                    cutlass.select_(ident < pi, 1, 0)), 0))))
+                take = Int32(cutlass.select_(keep_first(lane, j, k), p_first, me_first))
+                key = Int32(cutlass.select_(take == 1, pk, key))
+                ident = Int32(cutlass.select_(take == 1, pi, ident))
+                val = Float32(cutlass.select_(take == 1, pv, val))
+                j //= 2
+            k *= 2
+        return key, ident, val
+
     def rows_grid(mOut, threads):
         """One CTA per ``threads`` elements of each row of ``mOut`` (a flat grid: any CTA past the first
         SPIN_CTAS skips the spin)."""
         return (mOut.shape[0] * ((mOut.shape[1] + threads - 1) // threads), 1, 1)
 
-    def spun_element(mOut, cycles, threads):
-        """In a ``rows_grid`` kernel: the spin (``spin_once``), then this thread's (row, column) of ``mOut``."""
+    def spun_element(mOut, cycles, threads, first=0):
+        """In a ``rows_grid`` kernel (its CTAs from ``first`` on): the spin (``spin_once``), then this thread's
+        (row, column) of ``mOut``."""
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
+        bidx = bidx - first
         spin_once(cycles, bidx, tidx)
         blocks = (mOut.shape[1] + threads - 1) // threads
         return bidx // blocks, (bidx % blocks) * threads + tidx
@@ -632,6 +874,45 @@ def _kernel_classes():
             b, i = spun_element(mOut, cycles, self.THREADS)
             if i < mOut.shape[1]:
                 mOut[b, i] = mX[b, i % mX.shape[1]]
+
+    class GatherRoute(Route):
+        """``Gather`` and ``Route`` in one launch (GATHER_ROUTE, see ``gather_route``): CTA b < B spins the
+        stand-in's cycles, as a fused collective's CTA waits for its peers' parts, then its first warp routes token
+        b; the CTAs after them are ``Gather``'s. The route reads the scores the gather writes, out[b, e] =
+        x[b, e % width], from x (``width``: x's row width, static), so it needs no grid-wide wait for them."""
+        THREADS = Gather.THREADS
+
+        def __init__(self, tp, width, experts, top_k, scaling, forced=False, per=1, method="shuffle",
+                     forced_topk=False):
+            super().__init__(experts, top_k, scaling, forced, per, method, forced_topk)
+            self.tp, self.width = tp, width
+
+        def score(self, mY, b, e):
+            return mY[b, e % self.width]
+
+        @cute.jit
+        def __call__(self, mX: cute.Tensor, mOut: cute.Tensor, mBias: cute.Tensor, mTop: cute.Tensor,
+                     mWt: cute.Tensor, mCnt: cute.Tensor, mItems: cute.Tensor, mSlots: cute.Tensor, cycles: Int64,
+                     stream: cuda.CUstream):
+            grid = rows_grid(mOut, self.THREADS)
+            self.kernel(mX, mOut, mBias, mTop, mWt, mCnt, mItems, mSlots, cycles).launch(
+                grid=(mTop.shape[0] + grid[0], 1, 1), block=(self.THREADS, 1, 1), stream=stream, use_pdl=self.pdl)
+
+        @cute.kernel
+        def kernel(self, mX: cute.Tensor, mOut: cute.Tensor, mBias: cute.Tensor, mTop: cute.Tensor,
+                   mWt: cute.Tensor, mCnt: cute.Tensor, mItems: cute.Tensor, mSlots: cute.Tensor, cycles: Int64):
+            self.pdl_start()
+            tidx, _, _ = cute.arch.thread_idx()
+            bidx, _, _ = cute.arch.block_idx()
+            sI, sF = self.scratch()
+            if bidx < mTop.shape[0]:
+                spin_once(cycles, Int32(0), tidx)  # every routing CTA waits out the link time
+                if tidx < 32:
+                    self.route_token(mX, mBias, mTop, mWt, mCnt, mItems, mSlots, bidx, tidx, sI, sF)
+            else:
+                b, i = spun_element(mOut, cycles, self.THREADS, mTop.shape[0])
+                if i < mOut.shape[1]:
+                    mOut[b, i] = mX[b, i % mX.shape[1]]
 
     class ReduceAdd(Pdl):
         """out = base + tp x (fp32 math, bf16 out) after ``cycles`` of spin: an all-reduce's stand-in fused with
@@ -678,5 +959,6 @@ def _kernel_classes():
                 u = cutlass.max(cutlass.min(mH[b, n + i].to(Float32), Float32(self.lin)), Float32(-self.lin))
                 mOut[b, i] = (g / (Float32(1.0) + cute.math.exp(-Float32(self.beta) * g)) * u).to(BFloat16)
 
-    return {"w13": lambda *k: ExpertGemv("w13", *k), "w2": lambda *k: ExpertGemv("w2", *k), "route": Route,
-            "sum_norm": SumNorm, "situ": Situ, "gather": Gather, "reduce_add": ReduceAdd}
+    return {"w13": lambda *k: ExpertGemv("w13", *k), "w2": lambda *k: ExpertGemv("w2", *k[:5], 0.0, 0.0, *k[5:]),
+            "route": Route, "sum_norm": SumNorm, "situ": Situ, "gather": Gather, "reduce_add": ReduceAdd,
+            "gather_route": GatherRoute}

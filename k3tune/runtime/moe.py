@@ -334,6 +334,8 @@ class EmulatedComm:
         return _slice_sum(normed, self.tp)
 
 
+FORK_AFTER_ROUTE = False  # staged (bench/chain_ab.py): the CuTe path forks the shared experts after the route, not
+# after the router GEMM (the route's one warp a token then runs without their GEMM beside it)
 _SPIN_CYCLES_PER_US = 1980  # torch.cuda._sleep spins in SM clock cycles; H200 boost clock 1.98 GHz
 
 
@@ -516,20 +518,26 @@ class MoEBlock:
         import torch
 
         w, shape = self.weights, self.weights.shape
+        gathered_routed = None  # the gathered rows where the route ran in the gather's launch
         if self.path == "stock":
             y = torch.nn.functional.linear(x, self._cache["w_rl_full"])
         else:
             y = self._gemms["moe.router_latent"](x)
-            self._fork_shared()
+            late = FORK_AFTER_ROUTE and self._cache["experts"] == "cute"
+            if not late:
+                self._fork_shared()
             pf = self._cache.get("prefetch")
             if pf is not None:  # HBM idles through routing and the gather: pull the next weights into L2
                 pf[0].wait_stream(torch.cuda.current_stream())
                 prefetch(w.w_up, pf[1], stream=pf[0])
-            y = self.comm.all_gather(y)
+            gathered_routed = self._gather_route(y)
+            y = self.comm.all_gather(y) if gathered_routed is None else gathered_routed
+            if late and gathered_routed is not None:
+                self._fork_shared()
         scores, latent = y[:, :shape.experts], y[:, shape.experts:]
         if self._cache["experts"] == "cute":
             # the kernels take the latent as a strided view of the gathered rows (no copy)
-            normed = self._cute_routed(y.contiguous(), latent)
+            normed = self._cute_routed(y.contiguous(), latent, routed=gathered_routed is not None)
         else:
             top, weights = self._route(scores, w.bias, shape, self.force_top)
             self.last_top = top
@@ -545,25 +553,55 @@ class MoEBlock:
               else self._gemms["moe.latent_up"](normed))
         return up
 
-    def _cute_routed(self, y, latent):
-        """Routing, both expert projections, the slot sum and the RMSNorm: five launches. The emulated
-        all-reduce of the routed latent (x tp) is folded into the norm's eps (RMSNorm(c x) = x / sqrt(mean
-        x^2 + eps / c^2)); its stand-in time, if any, is spun by the norm kernel before it reads."""
+    def _route_target(self):
+        """(the routing's [tokens, k] experts tensor, whether they are imposed): the route kernel writes the one or
+        reads the other."""
         import torch
 
-        w, shape, c = self.weights, self.weights.shape, self._cache
+        top = self._cache["top"]
         forced = self.force_top is not None
-        top = c["top"]
         if forced:  # the imposed experts, read in place where they can be (the copy is a measurement artefact)
             ft = self.force_top
             if ft.dtype == torch.int32 and ft.shape == top.shape and ft.is_contiguous() and ft.device == top.device:
                 top = ft
             else:
                 top.copy_(ft)
+        return top, forced
+
+    def _gather_route(self, y):
+        """With ``moe_experts.GATHER_ROUTE`` (staged) on the CuTe path with a fused stand-in: the all-gather of
+        ``y`` and the route in one launch; its gathered rows. None: the two stay apart."""
+        import torch
+
+        comm, c = self.comm, self._cache
+        if not (moe_experts.GATHER_ROUTE and c["experts"] == "cute" and not comm.real and comm.tp > 1
+                and comm._fused(y)):
+            return None
+        w, shape = self.weights, self.weights.shape
+        top, forced = self._route_target()
+        out = torch.empty(y.shape[0], comm.tp * y.shape[1], dtype=y.dtype, device=y.device)
+        moe_experts.gather_route(y, out, comm.tp, w.bias, top, c["wts"], shape.top_k, shape.scaling, c["groups"],
+                                 forced=forced, cycles=comm.cycles(y.numel() * y.element_size(), comm.tp),
+                                 pdl=comm.pdl)
+        self.last_top = top
+        return out
+
+    def _cute_routed(self, y, latent, routed: bool = False):
+        """Routing (unless ``routed``: done with the gather), both expert projections, the slot sum and the
+        RMSNorm: five launches. The emulated all-reduce of the routed latent (x tp) is folded into the norm's eps
+        (RMSNorm(c x) = x / sqrt(mean x^2 + eps / c^2)); its stand-in time, if any, is spun by the norm kernel
+        before it reads."""
+        import torch
+
+        w, shape, c = self.weights, self.weights.shape, self._cache
         g = c["groups"]
         pdl = c["pdl"]
-        moe_experts.route(y, w.bias, top, c["wts"], shape.top_k, shape.scaling, g, forced=forced, pdl=pdl)
-        self.last_top = top
+        if not routed:
+            top, forced = self._route_target()
+            moe_experts.route(y, w.bias, top, c["wts"], shape.top_k, shape.scaling, g, forced=forced, pdl=pdl)
+            self.last_top = top
+            if FORK_AFTER_ROUTE:
+                self._fork_shared()
         if isinstance(c["cfg13"], moe_experts_tc.TcExpertConfig):
             fp4 = w.fmt == "mxfp4"
             moe_experts_tc.run_w13(c["cfg13"], latent, w.w13[0] if fp4 else w.w13, c["act"], c["wts"], g,
@@ -591,7 +629,7 @@ class MoEBlock:
         GEMM): beside the gather, routing and the routed experts."""
         import torch
 
-        if self._fork is None:
+        if self._fork is None or self._fork[1] is not None:  # no side stream, or forked already this step
             return
         side = self._side
         side.wait_stream(torch.cuda.current_stream())
@@ -617,7 +655,10 @@ class MoEBlock:
         import torch
 
         s = torch.sigmoid(scores.float())
-        top = torch.topk(s + bias, shape.top_k, dim=-1).indices if forced is None else forced.long()
+        top = forced.long() if forced is not None else None
+        if top is None or moe_experts.FORCED_TOPK:  # an imposed routing runs the top-k too (FORCED_TOPK)
+            chosen = torch.topk(s + bias, shape.top_k, dim=-1).indices
+            top = chosen if top is None else top
         weights = s.gather(1, top)
         return top, weights / weights.sum(-1, keepdim=True) * shape.scaling
 
