@@ -4,7 +4,7 @@
 # the cheap way on that code (bench/split_polish.sh: each block's old winner, BUDGET more trials, the WHOLE moves),
 # in the time the call has left (a spec cut by its limit stops the rest: resume with START_DB/RESUME).
 # The same defaults turned on locally (`sed -i "s/^NAME = False/NAME = True/" k3tune/kernels/moe_experts.py`) give
-# the same keys.
+# the same keys. SPEC_B / SPEC_M: the sweep limit of a bf16 / MXFP4 spec (80 / 120 s).
 # Usage (device tool, kind nvidia-h200, carry [".carry"]): bash bench/chain_land.sh
 # POINTS, NAT_VARIANTS (the natural A/B's variants) and IMPOSED=0 (no imposed A/B) shorten the A/B part.
 # Writes $OUT/land.log, imposed.json, natural.json, picked.txt, and split_polish's files.
@@ -30,7 +30,16 @@ grep -E "^(W2_EARLY_L2|ROUTE_REDUX|ROUTE_SELECT|FORCED_TOPK|GATHER_ROUTE) =" k3t
 [ -n "${NO_SWEEP:-}" ] && exit 0
 left=$((${CALL_S:-585} - SECONDS - 20))
 [ $left -gt 120 ] || { echo "no time left to decide the blocks again ($left s)"; exit 0; }
-b=$((left * 9 / 100)); m=$((left * 16 / 100))  # a bf16 spec's share of what is left, an MXFP4 spec's (slower)
-WHOLE=${WHOLE:-} BUDGET=${BUDGET:-4} NEIGHBOURS=0 BENCH_S=0 SWEEP_S="$b $b $b $b $m $m $m $m" bash bench/split_polish.sh \
-  bf16:16:uniform bf16:8:uniform bf16:16:zipf:1.2 bf16:8:zipf:1.2 mxfp4:16:uniform mxfp4:8:uniform \
-  mxfp4:16:zipf:1.2 mxfp4:8:zipf:1.2
+# Each spec gets a fixed limit (s46-r5/r6 with BUDGET=2: 37-73 s a spec), and only the specs that fit what is left
+# are started (a spec cut by its limit would stop the rest); the others are printed for a second call:
+#   START_DB=split.sqlite.xz WHOLE=... BUDGET=... NEIGHBOURS=0 BENCH_S=0 bash bench/split_polish.sh <the rest>
+specs=(bf16:16:uniform bf16:8:uniform bf16:16:zipf:1.2 bf16:8:zipf:1.2 mxfp4:16:uniform mxfp4:8:uniform
+       mxfp4:16:zipf:1.2 mxfp4:8:zipf:1.2)
+run=(); limits=(); rest=()
+for s in "${specs[@]}"; do
+  l=$([ "${s%%:*}" = bf16 ] && echo ${SPEC_B:-80} || echo ${SPEC_M:-120})
+  if [ ${#rest[@]} = 0 ] && [ $l -le $left ]; then run+=($s); limits+=($l); left=$((left - l)); else rest+=($s); fi
+done
+echo "== deciding: ${run[*]:-nothing}; left for another call: ${rest[*]:-nothing}"
+[ ${#run[@]} -gt 0 ] || exit 0
+WHOLE=${WHOLE:-} BUDGET=${BUDGET:-4} NEIGHBOURS=0 BENCH_S=0 SWEEP_S="${limits[*]}" bash bench/split_polish.sh "${run[@]}"

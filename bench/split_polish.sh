@@ -45,7 +45,7 @@ for point in "$@"; do
   fi
   t0=$SECONDS
   timeout $limit python3 bench/device_sweep.py --spec $spec --db $db --gpus ${GPUS:-1} >> $log 2>&1
-  rc=$?; echo "== $tag sweep rc=$rc $((SECONDS - t0)) s"
+  rc=$?; echo "== $tag sweep rc=$rc $((SECONDS - t0)) s" | tee -a $log  # in the log too: what a resume reads
   python3 -c "import sqlite3; c = sqlite3.connect('$db'); c.execute('PRAGMA wal_checkpoint(TRUNCATE)'); c.close()"
   [ $rc = 0 ] || { echo "stopped: $tag did not finish"; break; }
   [ "$blimit" = 0 ] && continue  # BENCH_S 0: decide only (bench later with bench/moe.py --served on the export)
