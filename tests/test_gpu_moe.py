@@ -297,11 +297,11 @@ def test_routed_expert_kernels_match_torch(b, k, experts, inter, latent):
                                                          (7, 4, 40, 1.0, -5.0), (33, 32, 896, 0.5, 0.3),
                                                          (5, 1, 70, 0.0, 0.0), (9, 16, 896, 1.0, 0.0)])
 def test_the_fast_routes_choose_and_weigh_as_the_shuffle_route(method, b, k, experts, spread, bias_at, monkeypatch):
-    """``ROUTE_REDUX`` (off) / ``ROUTE_SELECT`` (on since session 46): the same experts, in the same order, the same weights bit for
-    bit and the same groups as the shuffle route; the kernel that ran is the named one. ``spread`` 0: the scores
-    rounded to halves, so many experts tie (ties go to the lowest id; for select, more than 32 candidates: its redux
-    fallback); negative scores + bias; a partial last warp chunk (40, 70 experts); k = 1 and 32. Which of select's
-    two branches each token takes is counted on the host (both are taken over the cases: see the next test)."""
+    """``ROUTE_REDUX`` (off) / ``ROUTE_SELECT`` (on since session 46): the same experts, in the same order, the same
+    weights bit for bit and the same groups as the shuffle route; the kernel that ran is the named one. ``spread`` 0:
+    the scores rounded to halves, so many experts tie (ties go to the lowest id; for select, more than 32 candidates:
+    its redux fallback); negative scores + bias; a partial last warp chunk (40, 70 experts); k = 1 and 32. Which of
+    select's two branches each token takes is counted on the host (both are taken over the cases: see the next test)."""
     import torch
 
     from k3tune.kernels import moe_experts
@@ -560,8 +560,8 @@ def test_a_block_with_pdl_launches_its_kernels_as_dependents_matches_and_capture
 
 @pytest.mark.parametrize("batch", [1, 5])
 def test_w2_asking_l2_for_its_tile_before_the_pdl_wait_matches_and_captures(batch, monkeypatch):
-    """``W2_EARLY_L2`` (off: refuted, session 45): the w2 kernel that ran is the early one (its knobs say so, with pdl); the block
-    matches the reference eagerly and replays a graph of it to the same output (poisoned first)."""
+    """``W2_EARLY_L2`` (off: refuted, session 45): the w2 kernel that ran is the early one (its knobs say so, with
+    pdl); the block matches the reference eagerly and replays a graph of it to the same output (poisoned first)."""
     from k3tune.kernels import moe_experts
     from k3tune.runtime import Selector
     from k3tune.runtime.moe import EmulatedComm
@@ -587,9 +587,10 @@ def test_w2_asking_l2_for_its_tile_before_the_pdl_wait_matches_and_captures(batc
 @pytest.mark.parametrize("batch,imposed,method,pdl", [(1, False, "shuffle", 1), (5, False, "select", 1),
                                                       (3, True, "select", 1), (2, False, "redux", 0)])
 def test_the_gather_with_the_route_in_its_launch_matches_the_two_launches(batch, imposed, method, pdl, monkeypatch):
-    """``GATHER_ROUTE`` (off: slower at MXFP4 b1, session 45): the fused gather + route kernel ran and no separate route did; the block's output,
-    experts and weights equal the unfused block's bit for bit (the router's own choices with each top-k method, or
-    an imposed routing that runs the top-k too), it matches the reference, and a graph of it replays the same."""
+    """``GATHER_ROUTE`` (off: slower at MXFP4 b1, session 45): the fused gather + route kernel ran and no separate route
+    did; the block's output, experts and weights equal the unfused block's bit for bit (the router's own choices with
+    each top-k method, or an imposed routing that runs the top-k too), it matches the reference, and a graph of it
+    replays the same."""
     import torch
 
     from k3tune.kernels import moe_experts
@@ -635,8 +636,9 @@ def test_the_gather_with_the_route_in_its_launch_matches_the_two_launches(batch,
 
 @pytest.mark.parametrize("method", ["shuffle", "select"])
 def test_an_imposed_routing_that_runs_the_top_k_gives_the_imposed_blocks_numbers(method, monkeypatch):
-    """``FORCED_TOPK`` (on since session 46): under an imposed routing the route kernel still runs the top-k (its knobs say so),
-    and the block's output, experts and weights are those of the imposed routing without it, bit for bit."""
+    """``FORCED_TOPK`` (on since session 46): under an imposed routing the route kernel still runs the top-k (its
+    knobs say so), and the block's output, experts and weights are those of the imposed routing without it, bit for
+    bit."""
     import torch
 
     from k3tune.kernels import moe_experts
