@@ -18,8 +18,9 @@ nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 ||
   { echo "not an H200: nothing to A/B against its winners or decide for tuning_db/h200.sqlite (s45-r2)"; exit 1; }
 (cd bench && timeout ${NAT_S:-110} python3 chain_ab.py --points ${POINTS:-bf16:16:1,mxfp4:16:1} \
   --variants ${NAT_VARIANTS:-redux,select,select+fused} --json $OUT/natural.json >> $log 2>&1
- [ "${IMPOSED:-1}" = 0 ] || timeout ${IMP_S:-110} python3 chain_ab.py --imposed --points ${POINTS:-bf16:16:1,mxfp4:16:1} \
-  --variants topk,topk+select,topk+select+fused --json $OUT/imposed.json >> $log 2>&1)
+ [ "${IMPOSED:-1}" = 0 ] || timeout ${IMP_S:-110} python3 chain_ab.py --imposed \
+  --points ${POINTS:-bf16:16:1,mxfp4:16:1} --variants topk,topk+select,topk+select+fused \
+  --json $OUT/imposed.json >> $log 2>&1)
 grep -E "^(bf16|mxfp4)" $log | cut -c1-800
 imposed=$([ "${IMPOSED:-1}" = 0 ] || echo $OUT/imposed.json)  # IMPOSED=0: no imposed A/B, so GATHER_ROUTE stays off
 on=$(python3 bench/chain_pick.py $OUT/natural.json $imposed)
@@ -42,4 +43,5 @@ for s in "${specs[@]}"; do
 done
 echo "== deciding: ${run[*]:-nothing}; left for another call: ${rest[*]:-nothing}"
 [ ${#run[@]} -gt 0 ] || exit 0
-WHOLE=${WHOLE:-} BUDGET=${BUDGET:-4} NEIGHBOURS=0 BENCH_S=0 SWEEP_S="${limits[*]}" bash bench/split_polish.sh "${run[@]}"
+WHOLE=${WHOLE:-} BUDGET=${BUDGET:-4} NEIGHBOURS=0 BENCH_S=0 SWEEP_S="${limits[*]}" \
+  bash bench/split_polish.sh "${run[@]}"
