@@ -86,7 +86,7 @@ def run(rank: int, args, gpu: bool) -> list[dict]:
         medians = [None] * tp
         dist.all_gather_object(medians, statistics.median(t))
         row["real_us"], row["real_us_by_rank"] = max(medians), medians
-        del blocks
+        blocks = []  # this batch's blocks freed before the emulation (a del confuses pyflakes in this loop)
         if rank == 0 and link:  # the emulation of the same layers on this GPU alone, its stand-ins timed by the model
             emu = EmulatedComm.for_target(link, tp)
             eblocks = [MoEBlock.serve(w, sel, batch, comm=emu) for w in layers]
