@@ -6,20 +6,23 @@ point's imposed routing, as the bars measure). A variant is atoms joined by '+':
   slower at bf16 TP16 b1, 2.7 at b8: refuted).
 - ``redux`` (``ROUTE_REDUX``): the route's k rounds of warp argmax by two ``redux.sync`` each instead of shuffles
   (s45-r1, the router's own routing, bf16 TP16 b1: 77.9 -> 65.4 µs).
-- ``select`` (``ROUTE_SELECT``): the top-k as a bound (the k-th largest lane maximum), the candidates above it
-  compacted and sorted once by a bitonic network: no k dependent rounds.
+- ``select`` (``ROUTE_SELECT``, on since s46): the top-k as a bound (the k-th largest lane maximum), the candidates
+  above it compacted and sorted once by a bitonic network: no k dependent rounds (s46-r4, H200, the router's own
+  routing: bf16 TP16 b1 67.0 -> 49.6 µs).
 - ``fused`` (``GATHER_ROUTE``): the router's all-gather stand-in and the route in one launch (s45-r1, imposed: 0.4 µs
   faster at bf16 b1, 1.2 slower at MXFP4 b1, with the forced branch that skips the top-k).
 - ``late`` (``k3tune.runtime.moe.FORK_AFTER_ROUTE``): the shared experts forked after the route, not after the
   router GEMM, so the route's one warp a token does not share its SMs with their GEMM.
-- ``topk`` (``FORCED_TOPK``): an imposed routing still runs the top-k, as a served step does, then imposes its
-  experts (without it the forced branch skips the top-k, and the measured block leaves out what serving pays).
+- ``topk`` (``FORCED_TOPK``, on since s46): an imposed routing still runs the top-k, as a served step does, then
+  imposes its experts (without it the forced branch skips the top-k, and the measured block leaves out what serving
+  pays).
 
 Each point says which switched kernels ran. Outputs must be bit-equal to ``off``'s: no switch alters a number.
 The roofline column's floor counts the experts of the point's imposed uniform routing. The served knobs on this
 tree's code, as in sum_norm_ab.py (a temporary copy of the database, never one to ship).
 
-Until the switches land, they are ``bench/results/2026-12-05-s45-chain-staged.patch`` (``git apply`` it first).
+``off`` is every switch off (the route before s46: shuffle rounds, an imposed routing skipping them), whatever the
+modules' defaults.
 
     cd bench && python3 chain_ab.py --points bf16:16:1,mxfp4:16:1 --variants redux,select,select+fused
     cd bench && python3 chain_ab.py --imposed --points bf16:16:1 --variants topk,topk+select,topk+select+fused

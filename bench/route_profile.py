@@ -5,8 +5,8 @@ it falls back to the redux rounds) for the router's own scores.
 
     cd bench && python3 route_profile.py --points bf16:16:1 [--measured-on h200]
 
-``--profile``: each variant's route launched once alone inside an NVTX range ``profile/route-<variant>`` and nothing
-timed, for Nsight Compute (as bench/ncu_session.sh runs it), e.g.
+``--profile``: each variant's route launched once alone inside an NVTX range ``route-<variant>`` nested in a range
+``profile``, nothing timed, for Nsight Compute (as bench/ncu_session.sh runs it), e.g.
     cd bench && ncu --nvtx --nvtx-include profile/ --print-nvtx-rename kernel --section WarpStateStats \
         --section InstructionStats --section SchedulerStats python3 route_profile.py --profile --measured-on h200
 """
