@@ -21,9 +21,10 @@ Every kernel here takes ``pdl``: launched as a programmatic dependent, each CTA 
 (``griddepcontrol.wait``) before reading anything and then lets the next one launch, so a chain of them overlaps
 each launch with the previous kernel's tail (the block's ``pdl`` knob; pdl = 0 emits neither instruction).
 
-Staged switches (off; ``bench/chain_ab.py`` measures them before they become the code every block is keyed on):
-``ROUTE_REDUX`` (the route's k rounds of argmax by ``redux.sync``) and ``W2_EARLY_L2`` (w2's weight tile asked of L2
-before its PDL wait).
+Module switches (``bench/chain_ab.py`` measures each before it becomes the code every block is keyed on; the
+module's source is part of each block's key, so flipping one re-keys them all): on, ``ROUTE_SELECT`` and
+``FORCED_TOPK`` (session 46); off, refuted or superseded, ``ROUTE_REDUX``, ``GATHER_ROUTE`` and ``W2_EARLY_L2`` (NOTES
+sessions 45, 46).
 
 Grouping by expert matters once tokens share experts: at batch 64 with skewed routing ~280 experts serve
 1024 slots, and a kernel per (token, choice) would read each of them ~3.6 times.
@@ -152,16 +153,16 @@ def compiled(kind: str, knobs: tuple, arch: str, pdl: int = 0):
     return cute.compile(kern, *_fake_args(kind, arch), make_fake_stream(), options=f"--gpu-arch {arch}")
 
 
-ROUTE_REDUX = False  # staged (bench/chain_ab.py): the top-k rounds by redux.sync (Route.top_k_redux)
-ROUTE_SELECT = True  # staged (bench/chain_ab.py): the top-k by a bound and one bitonic sort (Route.top_k_select)
-FORCED_TOPK = True  # staged: an imposed routing still runs the top-k (its cost measured), then imposes its experts
+ROUTE_REDUX = False  # superseded by select (its rounds remain select's fallback, Route.top_k_redux)
+ROUTE_SELECT = True  # on (s46): the top-k by a bound and one bitonic sort (Route.top_k_select)
+FORCED_TOPK = True  # on (s46): an imposed routing still runs the top-k (its cost measured), then imposes its experts
 
 
 def topk(forced: bool) -> tuple[str, bool]:
     """(the route kernel's top-k method, whether an imposed routing runs it too) under the module's switches."""
     method = "select" if ROUTE_SELECT else "redux" if ROUTE_REDUX else "shuffle"
     return method, bool(forced and FORCED_TOPK)
-GATHER_ROUTE = False  # staged (bench/chain_ab.py): the router's all-gather stand-in and the route in one launch
+GATHER_ROUTE = False  # off (s45-r1: 1.2 µs slower at MXFP4 b1): the all-gather stand-in and the route in one launch
 
 
 def route(scores_and_latent, bias, top, weights, top_k: int, scaling: float, groups: Groups,
@@ -191,7 +192,7 @@ def run_w13(cfg: ExpertKernelConfig, latent, w13, act, weights, groups: Groups, 
     fn(_t(latent, 16), _t(w13, 16), _t(act, 2), _t(weights, 4), *_groups(groups), _stream(stream))
 
 
-W2_EARLY_L2 = False  # staged (bench/chain_ab.py): w2's CTAs pull their weight tile into L2 before the PDL wait
+W2_EARLY_L2 = False  # off (s45-r1: refuted): w2's CTAs pull their weight tile into L2 before the PDL wait
 
 
 def run_w2(cfg: ExpertKernelConfig, act, w2, out, weights, groups: Groups, stream=None, pdl: bool = False):
@@ -267,7 +268,7 @@ def gather_rows(x, out, tp: int, cycles: int = 0, stream=None, pdl: bool = False
 
 def gather_route(x, out, tp: int, bias, top, weights, top_k: int, scaling: float, groups: Groups,
                  forced: bool = False, cycles: int = 0, stream=None, pdl: bool = False):
-    """``gather_rows(x, out, tp, cycles)`` and ``route(out, ...)`` in one launch (staged: GATHER_ROUTE): the
+    """``gather_rows(x, out, tp, cycles)`` and ``route(out, ...)`` in one launch (GATHER_ROUTE, off since s45-r1): the
     routing CTAs spin the stand-in's cycles beside the gather's, then route from x's copy of the scores, as a
     fused all-gather kernel would route once its peers' parts are in. Same outputs as the two launches."""
     from k3tune.errors import ConfigError

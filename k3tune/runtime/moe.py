@@ -334,8 +334,8 @@ class EmulatedComm:
         return _slice_sum(normed, self.tp)
 
 
-FORK_AFTER_ROUTE = False  # staged (bench/chain_ab.py): the CuTe path forks the shared experts after the route, not
-# after the router GEMM (the route's one warp a token then runs without their GEMM beside it)
+FORK_AFTER_ROUTE = False  # off (s45: 1.5-1.9 µs slower, H100): the CuTe path forks the shared experts after the
+# route, not after the router GEMM (the route's one warp a token then runs without their GEMM beside it)
 _SPIN_CYCLES_PER_US = 1980  # torch.cuda._sleep spins in SM clock cycles; H200 boost clock 1.98 GHz
 
 
@@ -569,8 +569,8 @@ class MoEBlock:
         return top, forced
 
     def _gather_route(self, y):
-        """With ``moe_experts.GATHER_ROUTE`` (staged) on the CuTe path with a fused stand-in: the all-gather of
-        ``y`` and the route in one launch; its gathered rows. None: the two stay apart."""
+        """With ``moe_experts.GATHER_ROUTE`` (off since s45-r1) on the CuTe path with a fused stand-in: the
+        all-gather of ``y`` and the route in one launch; its gathered rows. None: the two stay apart."""
         import torch
 
         comm, c = self.comm, self._cache
