@@ -334,7 +334,7 @@ class EmulatedComm:
         return _slice_sum(normed, self.tp)
 
 
-FORK_AFTER_ROUTE = False  # off (s45: 1.5-1.9 µs slower, H100): the CuTe path forks the shared experts after the
+FORK_AFTER_ROUTE = False  # off (s45-r4: 1.6-1.9 µs slower, H100): the CuTe path forks the shared experts after the
 # route, not after the router GEMM (the route's one warp a token then runs without their GEMM beside it)
 _SPIN_CYCLES_PER_US = 1980  # torch.cuda._sleep spins in SM clock cycles; H200 boost clock 1.98 GHz
 
