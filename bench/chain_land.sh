@@ -9,13 +9,14 @@
 # POINTS, NAT_VARIANTS (the natural A/B's variants) and IMPOSED=0 (no imposed A/B) shorten the A/B part.
 # Writes $OUT/land.log, imposed.json, natural.json, picked.txt, and split_polish's files.
 set -uo pipefail
+# first: an H100 draw then costs its start only, not the tests (s47: six H100s in one session)
+nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 ||
+  { echo "not an H200: nothing to A/B against its winners or decide for tuning_db/h200.sqlite (s45-r2)"; exit 1; }
 source .carry/cutedsl/unpack.sh || exit 1
 log=$OUT/land.log
 timeout ${TEST_S:-150} python3 -m pytest -q -m gpu tests/test_gpu_moe.py \
   -k "fast_routes or select_routes or gather_with_the_route or runs_the_top_k" > $OUT/tests.log 2>&1
 rc=$?; tail -3 $OUT/tests.log; [ $rc = 0 ] || { echo "the staged switches' GPU tests failed (rc $rc)"; exit 1; }
-nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 ||
-  { echo "not an H200: nothing to A/B against its winners or decide for tuning_db/h200.sqlite (s45-r2)"; exit 1; }
 (cd bench && timeout ${NAT_S:-110} python3 chain_ab.py --points ${POINTS:-bf16:16:1,mxfp4:16:1} \
   --variants ${NAT_VARIANTS:-redux,select,select+fused} --json $OUT/natural.json >> $log 2>&1
  [ "${IMPOSED:-1}" = 0 ] || timeout ${IMP_S:-110} python3 chain_ab.py --imposed \
