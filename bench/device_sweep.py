@@ -24,6 +24,7 @@ def main() -> None:
     ap.add_argument("--trial-timeout", type=float, default=60.0)
     ap.add_argument("--compile-procs", type=int, default=None,
                     help="CPU processes compiling candidates ahead (default: k3tune sweep's)")
+    ap.add_argument("--warm-from", default=None, help="another GPU kind's winners in --db as first candidates")
     args = ap.parse_args()
     sp = specs.load(args.spec)
     last = [0.0]
@@ -40,7 +41,8 @@ def main() -> None:
             st = run_sweep(SweepOptions(sp, models.load(sp.model_config), db, "gpu", args.gpus,
                                         trial_timeout_s=args.trial_timeout,
                                         command=" ".join(["bench/device_sweep.py", *sys.argv[1:]]),
-                                        progress=progress, compile_procs=args.compile_procs))
+                                        progress=progress, compile_procs=args.compile_procs,
+                                        warm_from=args.warm_from))
     except KeyboardInterrupt:
         print("interrupted: finished trials are saved; run the same command again to resume", flush=True)
         sys.exit(130)

@@ -65,8 +65,20 @@ def floor_us(problem, bw: float) -> float:
 
 
 def inductor_run(problem):
+    """Inductor's max-autotune pick for this problem, compiled afresh: every problem compiles the same function,
+    and past dynamo's ``recompile_limit`` (8) shapes dynamo runs it eagerly, i.e. cuBLAS, with one warning (until
+    session 48 every Inductor column but its first 8 problems was cuBLAS). ``run.compiled()`` says whether it was."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    graphs = counters["stats"]["unique_graphs"]
     fn = torch.compile(lambda x, w: torch.matmul(x, w.t()), mode="max-autotune-no-cudagraphs", dynamic=False)
-    return lambda inputs: fn(inputs["x"], inputs["w"])
+
+    def run(inputs):
+        return fn(inputs["x"], inputs["w"])
+
+    run.compiled = lambda: counters["stats"]["unique_graphs"] > graphs
+    return run
 
 
 def profile_once(step, name: str) -> None:
@@ -145,7 +157,11 @@ def main() -> None:
                     row["tuned"] = row["cublas"]
                 if m in ind_ms:
                     t0 = time.perf_counter()
-                    row["inductor"] = measure(inductor_run(p), cublas, p, args.samples, args.rounds)
+                    run = inductor_run(p)
+                    row["inductor"] = measure(run, cublas, p, args.samples, args.rounds)
+                    if not run.compiled():
+                        raise SystemExit(f"tp{tp} {p.key}: dynamo compiled no graph, so the Inductor column would "
+                                         "be eager cuBLAS")
                     row["inductor"]["compile_s"] = time.perf_counter() - t0
                 rows.append(row)
                 ind = f" ind {row['inductor']['us']:7.2f}" if "inductor" in row else ""

@@ -247,6 +247,28 @@ def test_shipped_h200_database_is_current():
 
 
 
+def test_shipped_h100_database_is_current():
+    """The H100's dense table (swept on an H100 from the H200's winners, `--warm-from H200`, session 48) is current
+    and covers the dense spec, and `lookup --hardware h100` serves it as measured."""
+    from k3tune.shipped import configs_dir, tuning_db_dir
+
+    db = str(tuning_db_dir() / "h100.sqlite")
+    assert main(["db", "verify", db, "--spec", str(configs_dir() / "sweep_h200_dense.toml")]) == 0
+
+
+def test_lookup_hardware_h100_serves_its_dense_table_and_no_h200_block(monkeypatch, capsys, tmp_path):
+    """On an H100 the dense ops come from its own table; the MoE block, tuned on the H200 only, is a heuristic
+    default there, never the H200's winner."""
+    monkeypatch.chdir(tmp_path)
+    for var in ("K3TUNE_DB", "K3TUNE_SERVE_DB", "K3TUNE_HARDWARE"):
+        monkeypatch.delenv(var, raising=False)
+    assert main(["lookup", "--tp", "16", "--batch", "8", "--hardware", "h100", "--json"]) == 0
+    look = json.loads(capsys.readouterr().out)
+    sources = {o["op"]: o["source"] for o in look["ops"]}
+    assert sources["kda.o_proj"] == "measured" and sources["moe.shared_w13"] == "measured", look["warnings"]
+    assert sources["moe.block"] == "heuristic default"
+
+
 def test_lookup_reads_what_the_sweep_wrote_by_default(tmp_path, monkeypatch, capsys):
     """The README's flow: `k3tune sweep --simulate gb300` writes ./k3tune.sqlite, and `k3tune lookup --simulate gb300`
     with no --db serves its winners (it had served heuristic defaults: its default was only the shipped DB)."""

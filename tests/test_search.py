@@ -805,3 +805,57 @@ def test_winner_methods_backfills_only_winners_whose_own_trial_is_found(tmp_path
     assert done == {"kda.o_proj": 1, "(unknown) kda.o_proj": 1}
     methods = sorted(m for (m,) in sqlite3.connect(shipped).execute("SELECT method FROM winners"))
     assert methods == ["", method_digest("simulated")]
+
+
+def test_warm_from_starts_a_new_gpu_kind_from_another_kinds_winners(tmp_path):
+    """A sweep of a second GPU kind of one arch (a simulated H100 after a simulated H200 in one database) with
+    ``warm_from`` tries the other kind's winner of each problem it has none of; without it, it does not."""
+    import shutil
+
+    from k3tune.store.models import Hardware
+
+    sp = spec.from_dict({"matrix": {"tp": [16], "batch": [8], "ops": ["kda.o_proj"]},
+                         "buckets": {"tokens": [8], "batch": [8], "query_len": [1]},
+                         "search": {"budget": 6, "samples": 5, "remeasure_top": 2, "polish": 0}})
+    h200, h100 = hardware.spec("h200"), hardware.spec("h100")
+    db = store_db.open_db(str(tmp_path / "h200.sqlite"))
+    run_sweep(SweepOptions(sp, model.load(), db, "simulated", 1, hw=h200))
+    other = {"m_tiles": 1, "warps_n": 2, "warps_k": 4, "tile_m": 8, "split_k": 1, "bk": 128, "stages": 6,
+             "reduce": 0, "pdl": 0}  # outside the seeds: tried on the H100 only as the H200's winner
+    with db.session() as s:
+        (w,) = s.scalars(select(Winner)).all()
+        w.family, w.params = "gemm.splitk_tc", other
+    db.close()
+    shutil.copy(tmp_path / "h200.sqlite", tmp_path / "cold.sqlite")
+
+    def h100_tried(name, warm_from):
+        d = store_db.open_db(str(tmp_path / name))
+        try:
+            st = run_sweep(SweepOptions(sp, model.load(), d, "simulated", 1, hw=h100, warm_from=warm_from))
+            assert st.problems_done == 1
+            with d.session() as s:
+                hw = s.scalar(select(Hardware.id).where(Hardware.class_key.contains("H100")))
+                return {(t.family, t.params_key) for t in s.scalars(select(Trial).where(Trial.hardware_id == hw))}
+        finally:
+            d.close()
+
+    assert ("gemm.splitk_tc", params_key(other)) in h100_tried("h200.sqlite", "H200")
+    assert ("gemm.splitk_tc", params_key(other)) not in h100_tried("cold.sqlite", None)
+
+
+@pytest.mark.parametrize("hw_key, name, says", [("h100", "B200", "no other hardware of that name"),
+                                                ("gb300", "H200", "not simulated hardware of compute capability")])
+def test_warm_from_refuses_a_kind_it_cannot_use_in_one_line(tmp_path, hw_key, name, says):
+    from k3tune.errors import ConfigError
+
+    sp = spec.from_dict({"matrix": {"tp": [16], "batch": [1], "ops": ["kda.o_proj"]},
+                         "buckets": {"tokens": [1], "batch": [1], "query_len": [1]},
+                         "search": {"budget": 4, "samples": 5, "remeasure_top": 1, "polish": 0}})
+    db = store_db.open_db(str(tmp_path / "w.sqlite"))
+    try:
+        run_sweep(SweepOptions(sp, model.load(), db, "simulated", 1, hw=hardware.spec("h200")))
+        with pytest.raises(ConfigError, match=says) as e:
+            run_sweep(SweepOptions(sp, model.load(), db, "simulated", 1, hw=hardware.spec(hw_key), warm_from=name))
+        assert "\n" not in str(e.value)
+    finally:
+        db.close()

@@ -47,6 +47,9 @@ def sweep(
     compile_procs: Annotated[int | None, typer.Option(help="CPU processes compiling queued candidates ahead into the "
                                                            "shared kernel cache (GPU sweeps; 0: each worker compiles "
                                                            "its own; default: the free cores, at most 8 per GPU).")] = None,
+    warm_from: Annotated[str | None, typer.Option(help="Start each problem from the winner another GPU kind of this "
+                                                       "arch has in the database (a name, e.g. 'H200'; its "
+                                                       "`k3tune db merge`d table), where this GPU has none yet.")] = None,
     json: JsonOption = False,
 ) -> None:
     """Tune every problem of the deployment matrix and store every trial and the winners.
@@ -57,6 +60,7 @@ def sweep(
       k3tune sweep --gpus 16
       k3tune sweep --gpus 16 --simulate gb300
       k3tune sweep --db postgresql://tuner@db-host/k3tune   # several machines, one sweep
+      k3tune sweep --db h100.sqlite --warm-from H200        # h100.sqlite: a copy of tuning_db/h200.sqlite
     """
     sp = specs.load(spec)
     model = models.load(config or sp.model_config)
@@ -107,7 +111,7 @@ def sweep(
                 stats = run_sweep(SweepOptions(sp, model, database, backend, workers, hw=hw,
                                                trial_timeout_s=trial_timeout, lease_s=lease, wait_for_others=wait,
                                                command=command, progress=on_progress, compile_procs=compile_procs,
-                                               plan=plan))
+                                               plan=plan, warm_from=warm_from))
         finally:
             database.close()  # SQLite's WAL file folded into the database file
     summary = {"database": database.name, "backend": label, "run_id": stats.run_id,

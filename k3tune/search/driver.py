@@ -41,7 +41,7 @@ from k3tune.search.strategy import Candidate, ProblemSearch
 from k3tune.search.workers import WorkerPool
 from k3tune.store import records
 from k3tune.store.db import Database
-from k3tune.store.models import Backend, ProblemRow, TrialStatus, Winner
+from k3tune.store.models import Backend, Hardware, ProblemRow, TrialStatus, Winner
 
 BACKEND_LABEL = {"gpu": Backend.measured, "simulated": Backend.simulated, "cpu": Backend.cpu}
 
@@ -65,6 +65,9 @@ class SweepOptions:
     phased: bool | None = None
     only_ops: frozenset[str] | None = None
     plan: plans.Plan | None = None  # spec x model, when the caller has built it already (None: built here)
+    # another GPU kind's winners in the same database (a class-key substring, e.g. 'H200') as the first candidates
+    # of every problem this hardware has no winner of yet: a new kind of one arch starts from a tuned one's table
+    warm_from: str | None = None
 
 
 @dataclass
@@ -155,6 +158,22 @@ def hand_out(active: dict[int, ProblemSearch], n_idle: int,
                     break
                 out.append((pid, cand))
     return out
+
+
+def warm_hardware(db: Database, name: str, fp: Fingerprint, hw_id: int) -> list[int]:
+    """The hardware whose winners seed this sweep (``warm_from``): class key containing ``name``, not this sweep's
+    own record, measured or simulated as it is, and of its compute capability (their kernels build and run here)."""
+    with db.session() as s:
+        rows = s.execute(select(Hardware.id, Hardware.class_key, Hardware.compute_capability, Hardware.simulated)
+                         .where(Hardware.class_key.contains(name), Hardware.id != hw_id)).all()
+    if not rows:
+        raise ConfigError(f"--warm-from {name}: no other hardware of that name in {db.name}")
+    ids = [r.id for r in rows if r.compute_capability == fp.compute_capability and r.simulated == fp.simulated]
+    if not ids:
+        kind = "simulated" if fp.simulated else "measured"
+        raise ConfigError(f"--warm-from {name}: {rows[0].class_key} is not {kind} hardware of compute capability "
+                          f"{fp.compute_capability}, as this sweep's {fp.name} is")
+    return ids
 
 
 def unmet_runs(db: Database, hw_id: int, label: Backend, backend: str, problems: list[plans.Problem]) -> list[str]:
@@ -270,6 +289,7 @@ def _run_phase(opt: SweepOptions, plan: plans.Plan, t_start: float) -> SweepStat
             run = records.start_run(s, command=opt.command, backend=label, hw_id=hw_id, sw_id=sw_id,
                                     spec_digest=opt.spec.digest())
             run_id, owner = run.id, run.owner
+        seed_hw = warm_hardware(opt.db, opt.warm_from, fp, hw_id) if opt.warm_from else []
         wanted = {pids[p]: digests[p.op] for p in tunable}
         by_id = {pids[p]: p for p in tunable}
         with opt.db.session() as s:
@@ -298,10 +318,19 @@ def _run_phase(opt: SweepOptions, plan: plans.Plan, t_start: float) -> SweepStat
     same_m: dict[tuple, list[tuple[plans.Problem, str, dict]]] = {}
 
     def load_neighbours() -> None:
-        """Every stored winner of this hardware and backend (stale ones too: a suggestion, re-measured)."""
+        """Every stored winner of this hardware and backend (stale ones too: a suggestion, re-measured), and with
+        ``warm_from`` the other kind's where this one has none."""
         with opt.db.session() as s:
             won = s.execute(select(Winner.problem_id, Winner.family, Winner.params)
                             .where(Winner.hardware_id == hw_id, Winner.backend == label)).all()
+            if seed_hw:  # ``warm_from``: the other kind's winner where this one has none yet (one a problem)
+                have = {w[0] for w in won}
+                for w in s.execute(select(Winner.problem_id, Winner.family, Winner.params)
+                                   .where(Winner.hardware_id.in_(seed_hw), Winner.backend == label)
+                                   .order_by(Winner.hardware_id.desc())).all():
+                    if w[0] not in have:
+                        have.add(w[0])
+                        won.append(w)
         neighbours.clear()
         twins.clear()
         same_m.clear()

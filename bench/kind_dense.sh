@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# One device call on a GPU kind other than the H200 (the H100 the device tool mostly lends): the dense spec swept
+# for it, each problem starting from the H200's winner (`--warm-from H200`: a copy of tuning_db/h200.sqlite is the
+# sweep's database), its current winners exported to $OUT/<kind>.sqlite (ship as tuning_db/<kind>.sqlite), then
+# bench/gemm.py on that table in BENCH_S seconds (BENCH_S=0: none; BENCH_ARGS, e.g. "--ms 1,2,4,8,16,32,64
+# --inductor 1,2,4,8,16,32,64").
+# Resumable: START=<an earlier call's sweep.sqlite.xz, copied into the tree> goes on from its trials.
+# Usage (device tool, carry [".carry"]): SWEEP_S=420 BENCH_S=0 bash bench/kind_dense.sh
+set -uo pipefail
+source .carry/cutedsl/unpack.sh || exit 1
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv | tee $OUT/gpu.txt
+kind=$(python3 -c "import torch; from k3tune.plan.hardware import spec_for_device_name as f
+s = f(torch.cuda.get_device_name()); print(s.key if s else '')")
+[ -n "$kind" ] && [ "$kind" != h200 ] || { echo "kind_dense: for a GPU kind with no shipped dense table ($kind)"; exit 1; }
+db=/tmp/$kind-sweep.sqlite
+if [ -n "${START:-}" ]; then
+  python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], 'wb'))" "$START" $db
+else
+  cp tuning_db/h200.sqlite $db
+fi
+timeout ${SWEEP_S:-420} python3 bench/device_sweep.py --spec configs/sweep_h200_dense.toml --db $db --gpus 1 \
+  --warm-from H200 > $OUT/sweep.log 2>&1
+echo "sweep rc $?"; tail -22 $OUT/sweep.log
+python3 - $db $OUT/sweep.sqlite.xz $OUT/$kind.sqlite ${kind^^} <<'EOF'
+import lzma, shutil, sys
+from k3tune.store import inspect, transfer
+from k3tune.store.db import open_db
+
+src, xz, out, name = sys.argv[1:]
+with open(src, "rb") as f, lzma.open(xz, "wb", preset=9) as g:  # every trial: the next call's START
+    shutil.copyfileobj(f, g)
+db = open_db(src)
+st = transfer.export(db, out, hardware=name, keep=inspect.is_current)
+db.close()
+print(f"exported {st.winners_added} current winners of {name} to {out}")
+EOF
+[ "${BENCH_S:-0}" -gt 0 ] || exit 0
+timeout $BENCH_S python3 bench/gemm.py --db $OUT/$kind.sqlite --out $OUT/bench-gemm.json ${BENCH_ARGS:-} \
+  > $OUT/bench-gemm.log 2>&1
+echo "bench rc $?"; grep -v "^tp" $OUT/bench-gemm.log | tail -30
