@@ -16,12 +16,18 @@
 # "prefetch_mib"' replaces the spec's `whole` list (the knobs whose every value the polish tries on each winner);
 # NEIGHBOURS=0 BUDGET=4 make it a cheap re-decide: each block's old winner (after the families' defaults) and one
 # more trial, then only the whole moves of the winner, no neighbouring block's winner ([search] neighbours, budget).
+# Another GPU kind (the H100): HW=H100 WARM_FROM=H200 NO_REDO=1 BASE="tuning_db/h200.sqlite tuning_db/h100.sqlite"
+# starts from both tables merged (the blocks run the H100's dense winners), tries each H200 block winner first
+# (`--warm-from`), redoes nothing and exports the H100's winners.
 set -uo pipefail
 source .carry/cutedsl/unpack.sh || exit 1
 log=$OUT/split.log
 db=/tmp/split.sqlite
 [ -n "${RESUME:-}" ] && [ -z "${START_DB:-}" ] && { echo "RESUME needs START_DB"; exit 1; }
-if [ -n "${START_DB:-}" ]; then xz -dc "$START_DB" > $db || exit 1; else cp tuning_db/h200.sqlite $db; fi
+base=(${BASE:-tuning_db/h200.sqlite})
+if [ -n "${START_DB:-}" ]; then xz -dc "$START_DB" > $db || exit 1
+elif [ ${#base[@]} = 1 ]; then cp ${base[0]} $db
+else python3 -m k3tune db merge $db "${base[@]}" >> $log 2>&1 || exit 1; fi
 nvidia-smi --query-gpu=index,name,clocks.sm,temperature.gpu --format=csv >> $log
 sweep_s=(${SWEEP_S:-170}); bench_s=(${BENCH_S:-120}); i=0
 for point in "$@"; do
@@ -40,11 +46,13 @@ for point in "$@"; do
   patterns=()
   for m in ${batches//,/ }; do patterns+=("moe.block[tp=$tp,M=$m,%format=$fmt,routing=$routing]"); done
   [ -z "$batches" ] && patterns=("moe.block[tp=$tp,%format=$fmt,routing=$routing]")
-  if [ -z "${RESUME:-}" ] || [ $i -gt 1 ] || [ -n "$batches" ]; then  # a resumed first point is decided already
+  if [ -z "${NO_REDO:-}" ] && { [ -z "${RESUME:-}" ] || [ $i -gt 1 ] || [ -n "$batches" ]; }; then  # a resumed
+    # first point is decided already
     python3 -m k3tune db redo $db "${patterns[@]}" >> $log 2>&1 || exit 1
   fi
   t0=$SECONDS
-  timeout $limit python3 bench/device_sweep.py --spec $spec --db $db --gpus ${GPUS:-1} >> $log 2>&1
+  timeout $limit python3 bench/device_sweep.py --spec $spec --db $db --gpus ${GPUS:-1} \
+    ${WARM_FROM:+--warm-from $WARM_FROM} >> $log 2>&1
   rc=$?; echo "== $tag sweep rc=$rc $((SECONDS - t0)) s" | tee -a $log  # in the log too: what a resume reads
   python3 -c "import sqlite3; c = sqlite3.connect('$db'); c.execute('PRAGMA wal_checkpoint(TRUNCATE)'); c.close()"
   [ $rc = 0 ] || { echo "stopped: $tag did not finish"; break; }
@@ -57,4 +65,4 @@ for point in "$@"; do
 done
 grep -E '"(trials|failed|problems_done|polish_passes|polish_changed|polish_untimed)"|^tp[0-9]' $log | cut -c1-400
 xz -T0 -c $db > $OUT/split.sqlite.xz
-python3 -m k3tune db export $db $OUT/new.sqlite --hardware H200 >> $log 2>&1; echo "export rc=$?"
+python3 -m k3tune db export $db $OUT/new.sqlite --hardware ${HW:-H200} >> $log 2>&1; echo "export rc=$?"
