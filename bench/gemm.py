@@ -112,6 +112,30 @@ def measure(run, fam, problem, samples: int, rounds: int = 1) -> dict:
             "rounds_us": medians, "err": err}
 
 
+def summarize(rows: list[dict], dev: str, bw: float) -> dict:
+    """The bars' figures over ``rows``: geomean speedups at M <= 64 (over cuBLAS, with PDL off, over Inductor where
+    timed), problems slower than cuBLAS beyond the spread, the least roofline fraction at M <= 16 (floor >= 5 us)."""
+    small = [r for r in rows if r["M"] <= 64]
+    geo = math.exp(sum(math.log(r["cublas"]["us"] / r["tuned"]["us"]) for r in small) / len(small))
+    # spread: the larger of a variant's within-graph IQR and its range over the allocation rounds
+    slower = [r for r in rows if r["tuned"]["us"] - r["cublas"]["us"] > r["tuned"]["spread"] + r["cublas"]["spread"]]
+    roof = [r for r in rows if r["M"] <= 16 and r["floor_us"] >= 5]
+    summary = {"device": dev, "copy_bw_tbps": bw / 1e12, "rows": len(rows), "geomean_speedup_vs_cublas_m_le_64": geo,
+               "slower_than_cublas_beyond_spread": [(r["tp"], r["op"], r["M"]) for r in slower],
+               "min_roofline_frac_m_le_16_floor_ge_5us": min((r["floor_us"] / r["tuned"]["us"] for r in roof), default=None)}
+    summary["geomean_speedup_vs_cublas_by_m"] = {  # where the geomean is won and lost
+        m: math.exp(statistics.mean(math.log(r["cublas"]["us"] / r["tuned"]["us"]) for r in small if r["M"] == m))
+        for m in sorted({r["M"] for r in small})}
+    if any("tuned_nopdl" in r for r in rows):  # the same choices with programmatic dependent launch off
+        summary["geomean_speedup_vs_cublas_m_le_64_pdl_off"] = math.exp(sum(
+            math.log(r["cublas"]["us"] / r.get("tuned_nopdl", r["tuned"])["us"]) for r in small) / len(small))
+    if any("inductor" in r for r in rows):
+        ind = [r for r in small if "inductor" in r]
+        summary["geomean_speedup_vs_inductor"] = math.exp(sum(math.log(r["inductor"]["us"] / r["tuned"]["us"])
+                                                              for r in ind) / len(ind))
+    return summary
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--db", default="tuning_db/h200.sqlite")
@@ -120,7 +144,22 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=15, help="replays per variant, split among the rounds")
     ap.add_argument("--rounds", type=int, default=3, help="independent input allocations per variant")
     ap.add_argument("--out", default="bench-gemm.json")
+    ap.add_argument("--summarize", nargs="+", metavar="JSON", help="no GPU: the summary over the rows of these "
+                    "outputs of one device (e.g. two calls' M ranges, or a run its timeout cut: rows are written as "
+                    "they are measured)")
     args = ap.parse_args()
+    if args.summarize:
+        outs = [json.loads(Path(f).read_text()) for f in args.summarize]
+        devs = {(o["summary"]["device"], round(o["summary"]["copy_bw_tbps"], 2)) for o in outs}
+        if len({d for d, _ in devs}) != 1:
+            raise SystemExit(f"--summarize: outputs of different devices: {sorted(devs)}")
+        rows = [r for o in outs for r in o["rows"]]
+        keys = [(r["tp"], r["op"], r["M"]) for r in rows]
+        if len(set(keys)) != len(keys):
+            raise SystemExit("--summarize: a problem appears in more than one output")
+        print(json.dumps(summarize(rows, outs[0]["summary"]["device"], outs[0]["summary"]["copy_bw_tbps"] * 1e12),
+                         indent=2))
+        return
     ms = [int(x) for x in args.ms.split(",")]
     ind_ms = {int(x) for x in args.inductor.split(",") if x}
     sp = specs.load()
@@ -164,6 +203,8 @@ def main() -> None:
                                          "be eager cuBLAS")
                     row["inductor"]["compile_s"] = time.perf_counter() - t0
                 rows.append(row)
+                write_json(args.out, {"summary": {"device": dev, "copy_bw_tbps": bw / 1e12, "partial": True},
+                                      "rows": rows})  # a run cut by its timeout keeps what it measured
                 ind = f" ind {row['inductor']['us']:7.2f}" if "inductor" in row else ""
                 if "tuned_nopdl" in row:
                     ind += f" (PDL off {row['tuned_nopdl']['us']:7.2f})"
@@ -171,24 +212,7 @@ def main() -> None:
                       f"(±{row['tuned']['spread']:.2f}) cublas {row['cublas']['us']:7.2f} (±{row['cublas']['spread']:.2f})"
                       f"{ind} speedup {row['cublas']['us'] / row['tuned']['us']:.2f}x roof {floor / row['tuned']['us']:.2f}"
                       f" [{choice.family} {choice.source}]", flush=True)
-    small = [r for r in rows if r["M"] <= 64]
-    geo = math.exp(sum(math.log(r["cublas"]["us"] / r["tuned"]["us"]) for r in small) / len(small))
-    # spread: the larger of a variant's within-graph IQR and its range over the allocation rounds
-    slower = [r for r in rows if r["tuned"]["us"] - r["cublas"]["us"] > r["tuned"]["spread"] + r["cublas"]["spread"]]
-    roof = [r for r in rows if r["M"] <= 16 and r["floor_us"] >= 5]
-    summary = {"device": dev, "copy_bw_tbps": bw / 1e12, "geomean_speedup_vs_cublas_m_le_64": geo,
-               "slower_than_cublas_beyond_spread": [(r["tp"], r["op"], r["M"]) for r in slower],
-               "min_roofline_frac_m_le_16_floor_ge_5us": min((r["floor_us"] / r["tuned"]["us"] for r in roof), default=None)}
-    summary["geomean_speedup_vs_cublas_by_m"] = {  # where the geomean is won and lost
-        m: math.exp(statistics.mean(math.log(r["cublas"]["us"] / r["tuned"]["us"]) for r in small if r["M"] == m))
-        for m in sorted({r["M"] for r in small})}
-    if any("tuned_nopdl" in r for r in rows):  # the same choices with programmatic dependent launch off
-        summary["geomean_speedup_vs_cublas_m_le_64_pdl_off"] = math.exp(sum(
-            math.log(r["cublas"]["us"] / r.get("tuned_nopdl", r["tuned"])["us"]) for r in small) / len(small))
-    if any("inductor" in r for r in rows):
-        ind = [r for r in small if "inductor" in r]
-        summary["geomean_speedup_vs_inductor"] = math.exp(sum(math.log(r["inductor"]["us"] / r["tuned"]["us"])
-                                                              for r in ind) / len(ind))
+    summary = summarize(rows, dev, bw)
     print(json.dumps(summary, indent=2))
     write_json(args.out, {"summary": summary, "rows": rows})
 
