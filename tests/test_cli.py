@@ -256,16 +256,21 @@ def test_shipped_h100_database_is_current():
     assert main(["db", "verify", db, "--spec", str(configs_dir() / "sweep_h200_dense.toml")]) == 0
 
 
-def test_lookup_hardware_h100_serves_its_dense_table_and_no_h200_block(monkeypatch, capsys, tmp_path):
-    """On an H100 the dense ops come from its own table; the MoE block, tuned on the H200 only, is a heuristic
-    default there, never the H200's winner."""
+def _shipped_sources(monkeypatch, capsys, tmp_path, hw: str, tp: int, batch: int) -> tuple[dict, list]:
+    """`k3tune lookup --hardware HW` from an empty directory with no database set: each op's source, and warnings."""
     monkeypatch.chdir(tmp_path)
     for var in ("K3TUNE_DB", "K3TUNE_SERVE_DB", "K3TUNE_HARDWARE"):
         monkeypatch.delenv(var, raising=False)
-    assert main(["lookup", "--tp", "16", "--batch", "8", "--hardware", "h100", "--json"]) == 0
+    assert main(["lookup", "--tp", str(tp), "--batch", str(batch), "--hardware", hw, "--json"]) == 0
     look = json.loads(capsys.readouterr().out)
-    sources = {o["op"]: o["source"] for o in look["ops"]}
-    assert sources["kda.o_proj"] == "measured" and sources["moe.shared_w13"] == "measured", look["warnings"]
+    return {o["op"]: o["source"] for o in look["ops"]}, look["warnings"]
+
+
+def test_lookup_hardware_h100_serves_its_dense_table_and_no_h200_block(monkeypatch, capsys, tmp_path):
+    """On an H100 the dense ops come from its own table; the MoE block, tuned on the H200 only, is a heuristic
+    default there, never the H200's winner."""
+    sources, warnings = _shipped_sources(monkeypatch, capsys, tmp_path, "h100", 16, 8)
+    assert sources["kda.o_proj"] == "measured" and sources["moe.shared_w13"] == "measured", warnings
     assert sources["moe.block"] == "heuristic default"
 
 
@@ -311,13 +316,8 @@ def test_lookup_hardware_serves_that_gpus_database(tmp_path, monkeypatch, capsys
     """`k3tune lookup --hardware h200` on a machine without that GPU serves the database shipped for it (it had
     served heuristic defaults unless --db was given); a database without that GPU's winners serves heuristic defaults
     with a warning that says so (it had said no GPU was detected), never another GPU's winners."""
-    monkeypatch.chdir(tmp_path)
-    for var in ("K3TUNE_DB", "K3TUNE_SERVE_DB", "K3TUNE_HARDWARE"):
-        monkeypatch.delenv(var, raising=False)
-    assert main(["lookup", "--tp", "8", "--batch", "4", "--hardware", "h200", "--json"]) == 0
-    look = json.loads(capsys.readouterr().out)
-    sources = {o["op"]: o["source"] for o in look["ops"]}
-    assert sources["moe.block"] == "measured" and sources["kda.o_proj"] == "measured", look["warnings"]
+    sources, warnings = _shipped_sources(monkeypatch, capsys, tmp_path, "h200", 8, 4)
+    assert sources["moe.block"] == "measured" and sources["kda.o_proj"] == "measured", warnings
     db = str(tmp_path / "sim.sqlite")
     assert main(["sweep", "--gpus", "1", "--simulate", "gb300", "--spec", "smoke", "--db", db, "--json"]) == 0
     capsys.readouterr()
