@@ -807,9 +807,10 @@ def test_winner_methods_backfills_only_winners_whose_own_trial_is_found(tmp_path
     assert methods == ["", method_digest("simulated")]
 
 
-def test_warm_from_starts_a_new_gpu_kind_from_another_kinds_winners(tmp_path):
-    """A sweep of a second GPU kind of one arch (a simulated H100 after a simulated H200 in one database) with
-    ``warm_from`` tries the other kind's winner of each problem it has none of; without it, it does not."""
+def test_warm_from_starts_a_new_gpu_kind_from_another_kinds_winners(any_db_url, tmp_path):
+    """A sweep of a second GPU kind of one arch (a simulated H100 after a simulated H200 in one database, SQLite or
+    PostgreSQL) with ``warm_from`` tries the other kind's winner of each problem it has none of; without it (on a
+    copy of the SQLite file), it does not."""
     import shutil
 
     from k3tune.store.models import Hardware
@@ -818,7 +819,7 @@ def test_warm_from_starts_a_new_gpu_kind_from_another_kinds_winners(tmp_path):
                          "buckets": {"tokens": [8], "batch": [8], "query_len": [1]},
                          "search": {"budget": 6, "samples": 5, "remeasure_top": 2, "polish": 0}})
     h200, h100 = hardware.spec("h200"), hardware.spec("h100")
-    db = store_db.open_db(str(tmp_path / "h200.sqlite"))
+    db = store_db.open_db(any_db_url)
     run_sweep(SweepOptions(sp, model.load(), db, "simulated", 1, hw=h200))
     other = {"m_tiles": 1, "warps_n": 2, "warps_k": 4, "tile_m": 8, "split_k": 1, "bk": 128, "stages": 6,
              "reduce": 0, "pdl": 0}  # outside the seeds: tried on the H100 only as the H200's winner
@@ -826,10 +827,12 @@ def test_warm_from_starts_a_new_gpu_kind_from_another_kinds_winners(tmp_path):
         (w,) = s.scalars(select(Winner)).all()
         w.family, w.params = "gemm.splitk_tc", other
     db.close()
-    shutil.copy(tmp_path / "h200.sqlite", tmp_path / "cold.sqlite")
+    sqlite = "://" not in any_db_url
+    if sqlite:
+        shutil.copy(any_db_url, tmp_path / "cold.sqlite")
 
-    def h100_tried(name, warm_from):
-        d = store_db.open_db(str(tmp_path / name))
+    def h100_tried(url, warm_from):
+        d = store_db.open_db(url)
         try:
             st = run_sweep(SweepOptions(sp, model.load(), d, "simulated", 1, hw=h100, warm_from=warm_from))
             assert st.problems_done == 1
@@ -839,8 +842,9 @@ def test_warm_from_starts_a_new_gpu_kind_from_another_kinds_winners(tmp_path):
         finally:
             d.close()
 
-    assert ("gemm.splitk_tc", params_key(other)) in h100_tried("h200.sqlite", "H200")
-    assert ("gemm.splitk_tc", params_key(other)) not in h100_tried("cold.sqlite", None)
+    assert ("gemm.splitk_tc", params_key(other)) in h100_tried(any_db_url, "H200")
+    if sqlite:
+        assert ("gemm.splitk_tc", params_key(other)) not in h100_tried(str(tmp_path / "cold.sqlite"), None)
 
 
 @pytest.mark.parametrize("hw_key, name, says", [("h100", "B200", "no other hardware of that name"),
