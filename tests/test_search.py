@@ -851,6 +851,7 @@ def test_warm_from_starts_a_new_gpu_kind_from_another_kinds_winners(any_db_url, 
                                                 ("gb300", "H200", "not simulated hardware of compute capability")])
 def test_warm_from_refuses_a_kind_it_cannot_use_in_one_line(tmp_path, hw_key, name, says):
     from k3tune.errors import ConfigError
+    from k3tune.store.models import Run
 
     sp = spec.from_dict({"matrix": {"tp": [16], "batch": [1], "ops": ["kda.o_proj"]},
                          "buckets": {"tokens": [1], "batch": [1], "query_len": [1]},
@@ -858,8 +859,12 @@ def test_warm_from_refuses_a_kind_it_cannot_use_in_one_line(tmp_path, hw_key, na
     db = store_db.open_db(str(tmp_path / "w.sqlite"))
     try:
         run_sweep(SweepOptions(sp, model.load(), db, "simulated", 1, hw=hardware.spec("h200")))
+        with db.session() as s:
+            before = s.scalar(select(func.count()).select_from(Run))
         with pytest.raises(ConfigError, match=says) as e:
             run_sweep(SweepOptions(sp, model.load(), db, "simulated", 1, hw=hardware.spec(hw_key), warm_from=name))
         assert "\n" not in str(e.value)
+        with db.session() as s:  # refused before its run was recorded
+            assert s.scalar(select(func.count()).select_from(Run)) == before
     finally:
         db.close()

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from sqlalchemy import select
+from sqlalchemy.orm import Session
 
 from k3tune.errors import ConfigError, HardwareError
 from k3tune.kernels import FAMILIES, families_for, op_digest
@@ -160,14 +161,13 @@ def hand_out(active: dict[int, ProblemSearch], n_idle: int,
     return out
 
 
-def warm_hardware(db: Database, name: str, fp: Fingerprint, hw_id: int) -> list[int]:
+def warm_hardware(s: Session, db_name: str, name: str, fp: Fingerprint, hw_id: int) -> list[int]:
     """The hardware whose winners seed this sweep (``warm_from``): class key containing ``name``, not this sweep's
     own record, measured or simulated as it is, and of its compute capability (their kernels build and run here)."""
-    with db.session() as s:
-        rows = s.execute(select(Hardware.id, Hardware.class_key, Hardware.compute_capability, Hardware.simulated)
-                         .where(Hardware.class_key.contains(name), Hardware.id != hw_id)).all()
+    rows = s.execute(select(Hardware.id, Hardware.class_key, Hardware.compute_capability, Hardware.simulated)
+                     .where(Hardware.class_key.contains(name), Hardware.id != hw_id)).all()
     if not rows:
-        raise ConfigError(f"--warm-from {name}: no other hardware of that name in {db.name}")
+        raise ConfigError(f"--warm-from {name}: no other hardware of that name in {db_name}")
     ids = [r.id for r in rows if r.compute_capability == fp.compute_capability and r.simulated == fp.simulated]
     if not ids:
         kind = "simulated" if fp.simulated else "measured"
@@ -284,12 +284,13 @@ def _run_phase(opt: SweepOptions, plan: plans.Plan, t_start: float) -> SweepStat
 
         with opt.db.session() as s:
             hw_id = records.hardware_id(s, fp)
+            # before the run's record: a name it cannot use leaves nothing behind
+            seed_hw = warm_hardware(s, opt.db.name, opt.warm_from, fp, hw_id) if opt.warm_from else []
             sw_id = records.software_id(s, records.software_versions())
             pids = records.problem_ids(s, tunable)
             run = records.start_run(s, command=opt.command, backend=label, hw_id=hw_id, sw_id=sw_id,
                                     spec_digest=opt.spec.digest())
             run_id, owner = run.id, run.owner
-        seed_hw = warm_hardware(opt.db, opt.warm_from, fp, hw_id) if opt.warm_from else []
         wanted = {pids[p]: digests[p.op] for p in tunable}
         by_id = {pids[p]: p for p in tunable}
         with opt.db.session() as s:
