@@ -13,27 +13,12 @@ kind=$(python3 -c "import torch; from k3tune.plan.hardware import spec_for_devic
 s = f(torch.cuda.get_device_name()); print(s.key if s else '')")
 [ -n "$kind" ] && [ "$kind" != h200 ] || { echo "kind_dense: for a GPU kind with no shipped dense table ($kind)"; exit 1; }
 db=/tmp/$kind-sweep.sqlite
-if [ -n "${START:-}" ]; then
-  python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], 'wb'))" "$START" $db
-else
-  cp tuning_db/h200.sqlite $db
-fi
+if [ -n "${START:-}" ]; then xz -dc "$START" > $db || exit 1; else cp tuning_db/h200.sqlite $db; fi
 timeout ${SWEEP_S:-420} python3 bench/device_sweep.py --spec configs/sweep_h200_dense.toml --db $db --gpus 1 \
   --warm-from H200 > $OUT/sweep.log 2>&1
 echo "sweep rc $?"; tail -22 $OUT/sweep.log
-python3 - $db $OUT/sweep.sqlite.xz $OUT/$kind.sqlite ${kind^^} <<'EOF'
-import lzma, shutil, sys
-from k3tune.store import inspect, transfer
-from k3tune.store.db import open_db
-
-src, xz, out, name = sys.argv[1:]
-with open(src, "rb") as f, lzma.open(xz, "wb", preset=9) as g:  # every trial: the next call's START
-    shutil.copyfileobj(f, g)
-db = open_db(src)
-st = transfer.export(db, out, hardware=name, keep=inspect.is_current)
-db.close()
-print(f"exported {st.winners_added} current winners of {name} to {out}")
-EOF
+xz -T0 -c $db > $OUT/sweep.sqlite.xz  # every trial: the next call's START
+python3 -m k3tune db export $db $OUT/$kind.sqlite --hardware ${kind^^}; echo "export rc $?"
 [ "${BENCH_S:-0}" -gt 0 ] || exit 0
 timeout $BENCH_S python3 bench/gemm.py --db $OUT/$kind.sqlite --out $OUT/bench-gemm.json ${BENCH_ARGS:-} \
   > $OUT/bench-gemm.log 2>&1
