@@ -4,6 +4,7 @@ non-zero exit, with the traceback behind K3TUNE_DEBUG=1."""
 import json
 import re
 import shutil
+from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -248,12 +249,14 @@ def test_shipped_h200_database_is_current():
 
 
 def test_shipped_h100_database_is_current():
-    """The H100's dense table (swept on an H100 from the H200's winners, `--warm-from H200`, session 48) is current
-    and covers the dense spec, and `lookup --hardware h100` serves it as measured."""
+    """The H100's own table, swept on an H100 from the H200's winners (`--warm-from H200`): the dense projections
+    (session 48) and the 56 MoE blocks (session 49) are current and cover their specs."""
     from k3tune.shipped import configs_dir, tuning_db_dir
 
     db = str(tuning_db_dir() / "h100.sqlite")
-    assert main(["db", "verify", db, "--spec", str(configs_dir() / "sweep_h200_dense.toml")]) == 0
+    for spec in ("sweep_h200_dense.toml", "sweep_h200_moe_bf16.toml", "sweep_h200_moe_mxfp4.toml",
+                 "sweep_h200_moe_bf16_zipf.toml", "sweep_h200_moe_mxfp4_zipf.toml"):
+        assert main(["db", "verify", db, "--spec", str(configs_dir() / spec)]) == 0
 
 
 def _shipped_sources(monkeypatch, capsys, tmp_path, hw: str, tp: int, batch: int) -> tuple[dict, list]:
@@ -266,12 +269,35 @@ def _shipped_sources(monkeypatch, capsys, tmp_path, hw: str, tp: int, batch: int
     return {o["op"]: o["source"] for o in look["ops"]}, look["warnings"]
 
 
-def test_lookup_hardware_h100_serves_its_dense_table_and_no_h200_block(monkeypatch, capsys, tmp_path):
-    """On an H100 the dense ops come from its own table; the MoE block, tuned on the H200 only, is a heuristic
-    default there, never the H200's winner."""
-    sources, warnings = _shipped_sources(monkeypatch, capsys, tmp_path, "h100", 16, 8)
-    assert sources["kda.o_proj"] == "measured" and sources["moe.shared_w13"] == "measured", warnings
-    assert sources["moe.block"] == "heuristic default"
+def _shipped_block_median(name: str, problem: str) -> float:
+    """The median of `problem`'s winner in the shipped tuning_db/NAME.sqlite, read with plain SQL."""
+    import sqlite3
+
+    from k3tune.shipped import tuning_db_dir
+
+    with closing(sqlite3.connect(f"file:{tuning_db_dir() / name}.sqlite?mode=ro", uri=True)) as c:
+        (us,) = c.execute("SELECT w.median_us FROM winners w JOIN problems p ON p.id = w.problem_id "
+                          "WHERE p.key = ?", (problem,)).fetchone()
+    return us
+
+
+def test_lookup_hardware_h100_serves_its_own_dense_table_and_blocks(monkeypatch, capsys, tmp_path):
+    """On an H100 the dense ops and the MoE block come from the H100's own table, the block never as the H200's
+    winner; the ops neither card has tuned (attention decode, the TP16 all-reduce) are heuristic defaults on both."""
+    monkeypatch.chdir(tmp_path)
+    for var in ("K3TUNE_DB", "K3TUNE_SERVE_DB", "K3TUNE_HARDWARE"):
+        monkeypatch.delenv(var, raising=False)
+    ops = {}
+    for hw in ("h100", "h200"):
+        assert main(["lookup", "--tp", "16", "--batch", "8", "--hardware", hw, "--json"]) == 0
+        look = json.loads(capsys.readouterr().out)
+        ops[hw] = {o["op"]: o for o in look["ops"]}
+    untuned = {op for op, o in ops["h200"].items() if o["source"] != "measured"}
+    assert untuned == {"kda.decode", "mla.decode", "tp.allreduce"}
+    assert {op for op, o in ops["h100"].items() if o["source"] != "measured"} == untuned
+    block = ops["h100"]["moe.block"]
+    assert block["median_us"] == _shipped_block_median("h100", block["tuned_problem"])
+    assert block["median_us"] != _shipped_block_median("h200", block["tuned_problem"])
 
 
 def test_lookup_reads_what_the_sweep_wrote_by_default(tmp_path, monkeypatch, capsys):
