@@ -259,13 +259,18 @@ def test_shipped_h100_database_is_current():
         assert main(["db", "verify", db, "--spec", str(configs_dir() / spec)]) == 0
 
 
-def _shipped_sources(monkeypatch, capsys, tmp_path, hw: str, tp: int, batch: int) -> tuple[dict, list]:
-    """`k3tune lookup --hardware HW` from an empty directory with no database set: each op's source, and warnings."""
+def _shipped_lookup(monkeypatch, capsys, tmp_path, hw: str, tp: int, batch: int) -> dict:
+    """`k3tune lookup --hardware HW --json` from an empty directory with no database set."""
     monkeypatch.chdir(tmp_path)
     for var in ("K3TUNE_DB", "K3TUNE_SERVE_DB", "K3TUNE_HARDWARE"):
         monkeypatch.delenv(var, raising=False)
     assert main(["lookup", "--tp", str(tp), "--batch", str(batch), "--hardware", hw, "--json"]) == 0
-    look = json.loads(capsys.readouterr().out)
+    return json.loads(capsys.readouterr().out)
+
+
+def _shipped_sources(monkeypatch, capsys, tmp_path, hw: str, tp: int, batch: int) -> tuple[dict, list]:
+    """The shipped lookup's source of each op, and its warnings."""
+    look = _shipped_lookup(monkeypatch, capsys, tmp_path, hw, tp, batch)
     return {o["op"]: o["source"] for o in look["ops"]}, look["warnings"]
 
 
@@ -284,14 +289,8 @@ def _shipped_block_median(name: str, problem: str) -> float:
 def test_lookup_hardware_h100_serves_its_own_dense_table_and_blocks(monkeypatch, capsys, tmp_path):
     """On an H100 the dense ops and the MoE block come from the H100's own table, the block never as the H200's
     winner; the ops neither card has tuned (attention decode, the TP16 all-reduce) are heuristic defaults on both."""
-    monkeypatch.chdir(tmp_path)
-    for var in ("K3TUNE_DB", "K3TUNE_SERVE_DB", "K3TUNE_HARDWARE"):
-        monkeypatch.delenv(var, raising=False)
-    ops = {}
-    for hw in ("h100", "h200"):
-        assert main(["lookup", "--tp", "16", "--batch", "8", "--hardware", hw, "--json"]) == 0
-        look = json.loads(capsys.readouterr().out)
-        ops[hw] = {o["op"]: o for o in look["ops"]}
+    ops = {hw: {o["op"]: o for o in _shipped_lookup(monkeypatch, capsys, tmp_path, hw, 16, 8)["ops"]}
+           for hw in ("h100", "h200")}
     untuned = {op for op, o in ops["h200"].items() if o["source"] != "measured"}
     assert untuned == {"kda.decode", "mla.decode", "tp.allreduce"}
     assert {op for op, o in ops["h100"].items() if o["source"] != "measured"} == untuned
