@@ -46,8 +46,8 @@ for point in "$@"; do
   patterns=()
   for m in ${batches//,/ }; do patterns+=("moe.block[tp=$tp,M=$m,%format=$fmt,routing=$routing]"); done
   [ -z "$batches" ] && patterns=("moe.block[tp=$tp,%format=$fmt,routing=$routing]")
-  if [ -z "${NO_REDO:-}" ] && { [ -z "${RESUME:-}" ] || [ $i -gt 1 ] || [ -n "$batches" ]; }; then  # a resumed
-    # first point is decided already
+  # a resumed first point is decided already; NO_REDO (another kind's first sweep) redoes none
+  if [ -z "${NO_REDO:-}" ] && { [ -z "${RESUME:-}" ] || [ $i -gt 1 ] || [ -n "$batches" ]; }; then
     python3 -m k3tune db redo $db "${patterns[@]}" >> $log 2>&1 || exit 1
   fi
   t0=$SECONDS
