@@ -28,7 +28,7 @@ import argparse
 import json
 import random
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from gemm import copy_bandwidth, write_json  # bench/gemm.py (this script runs from bench/)
@@ -58,6 +58,25 @@ def time_blocks(blocks, x, samples: int) -> list[float]:
     return [t / len(blocks) for t in time_graph(lambda _: [b(x) for b in blocks], [{}], samples)]
 
 
+EXPERTS_A_SLICE = 64  # MXFP4 experts quantised at once by bench_weights
+
+
+def bench_weights(sh: BlockShape, tp: int, fmt: str, seed: int, device: str = "cuda"):
+    """``random_weights(sh, tp, fmt=fmt, device=device, seed=seed)``, bit for bit, with the MXFP4 experts quantised
+    EXPERTS_A_SLICE experts at a time. Quantising a whole TP8 w13 at once takes ~40 GB of fp32 temporaries: beside the
+    other layers an 80 GB card runs out of memory (s50-r1, H100). The bench's code, not the served code's: the
+    weights' values are the same, so no result's key changes."""
+    if fmt != "mxfp4":
+        return random_weights(sh, tp, fmt=fmt, device=device, seed=seed)
+    w = random_weights(sh, tp, fmt="bf16", device=device, seed=seed)  # the same draws: quantising draws nothing
+
+    def quantize(t):
+        codes, scales = zip(*(mxfp4.quantize(part) for part in t.split(EXPERTS_A_SLICE)))
+        return torch.cat(codes), torch.cat(scales)
+
+    return replace(w, fmt=fmt, w13=quantize(w.w13), w2=quantize(w.w2))
+
+
 @dataclass
 class ServedPoint:
     """One format:tp:batch point of the served-block A/B scripts (bench/*_ab.py): uniform routing
@@ -82,7 +101,7 @@ class ServedPoint:
         tp, batch = int(tp), int(batch)
         model = "kimi_k3_config.json" if fmt == "mxfp4" else "kimi_k3_bf16_experts.json"
         sel = Selector.load(db, model=models.load(configs_dir() / model), routing="uniform", measured_on=measured_on)
-        weights = [random_weights(sh, tp, fmt=fmt, device="cuda", seed=i) for i in range(layers)]
+        weights = [bench_weights(sh, tp, fmt, seed=i) for i in range(layers)]
         ids = routings.sample("uniform", sh.experts, sh.top_k, batch, random.Random(batch))
         top = torch.tensor(ids, device="cuda", dtype=torch.int32)
         x = torch.randn(batch, sh.hidden, device="cuda").to(torch.bfloat16)
@@ -173,7 +192,7 @@ def main() -> None:
         return summary
 
     for tp in (int(t) for t in args.tps.split(",")):
-        layers = {fmt: [random_weights(sh, tp, fmt=fmt, device="cuda", seed=i) for i in range(args.layers)]
+        layers = {fmt: [bench_weights(sh, tp, fmt, seed=i) for i in range(args.layers)]
                   for fmt in {"bf16", *args.fmts.split(",")}}
         for batch in (int(b) for b in args.batches.split(",")):
             for routing in args.routings.split(","):

@@ -506,3 +506,26 @@ def test_expert_sass_disassembles_a_kernel_compiled_on_the_cpu(tmp_path):
     sass("dump", str(tmp_path))
     mix = sass("mix", str(tmp_path / "w13.sass"))
     assert "HMMA.16816.F32.BF16" in mix and "F2FP" not in mix, mix
+
+
+def test_bench_weights_quantise_a_slice_of_experts_at_a_time_to_the_same_bits(monkeypatch):
+    """bench/moe.py builds its MXFP4 layers a slice of experts at a time (an 80 GB card ran out of memory quantising
+    a whole TP8 w13, s50-r1): every tensor must equal random_weights' own MXFP4 weights bit for bit, so the bench
+    times the weights the sweep measured; bf16 and a bad format go to random_weights unchanged."""
+    import sys
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "bench"))
+    sys.modules.pop("moe", None)
+    import moe
+
+    monkeypatch.setattr(moe, "EXPERTS_A_SLICE", 5)  # 32 experts: slices of 5 and a ragged 2
+    whole, sliced = random_weights(SMALL, 4, fmt="mxfp4", seed=3), moe.bench_weights(SMALL, 4, "mxfp4", 3, "cpu")
+    assert sliced.fmt == "mxfp4"
+    for name in ("w_rl", "bias", "norm", "w_up", "shared_w13", "shared_w2"):
+        assert torch.equal(getattr(whole, name), getattr(sliced, name)), name
+    for name in ("w13", "w2"):
+        assert all(torch.equal(a, b) for a, b in zip(getattr(whole, name), getattr(sliced, name), strict=True)), name
+    assert torch.equal(moe.bench_weights(SMALL, 4, "bf16", 3, "cpu").w13, random_weights(SMALL, 4, seed=3).w13)
+    with pytest.raises(ConfigError, match="expert weight format 'fp8'"):
+        moe.bench_weights(SMALL, 4, "fp8", 3, "cpu")
