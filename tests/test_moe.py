@@ -14,6 +14,19 @@ from k3tune.runtime.moe import (BlockShape, EmulatedComm, MoEBlock, random_weigh
 SMALL = BlockShape(hidden=256, experts=32, top_k=4, latent=128, inter=128, shared_inter=256)
 
 
+def _bench_script(monkeypatch, name: str):
+    """bench/NAME.py imported afresh, with bench/gemm.py (which the scripts import as ``gemm``): bench/ is not a
+    package, and a module another test imported must not stand in for it."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "bench"))
+    for module in (name, "gemm"):
+        sys.modules.pop(module, None)
+    return importlib.import_module(name)
+
+
 def test_mxfp4_round_trips_representable_values_exactly():
     vals = torch.tensor(mxfp4.E2M1 + tuple(-v for v in mxfp4.E2M1))
     w = vals.repeat(8).reshape(4, 32) * 2.0 ** torch.arange(-2, 2).unsqueeze(1)  # one scale per row
@@ -397,14 +410,10 @@ def test_bench_json_is_rewritten_whole_or_not_at_all(tmp_path, monkeypatch):
     cuts short keeps the rows it finished (s25-r3 lost a whole TP16 run), and a write that fails leaves the last
     whole file, not half of one."""
     import json
-    import sys
-    from pathlib import Path
 
     import pytest
 
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "bench"))
-    sys.modules.pop("gemm", None)
-    from gemm import write_json
+    write_json = _bench_script(monkeypatch, "gemm").write_json
 
     out = tmp_path / "bench-moe.json"
     write_json(str(out), {"complete": False, "rows": [{"batch": 1}]})
@@ -420,12 +429,8 @@ def test_bench_split_bar_counts_a_serial_choice_as_no_split(monkeypatch):
     knobs must not count as a split beating serial on noise (s26-r4 counted four such rows); the choice still
     holds where it beats the even split and serial does not beat it. A plain side stream splits no SMs: it counts
     as an overlap that wins, apart from the splits."""
-    import sys
-    from pathlib import Path
 
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "bench"))
-    sys.modules.pop("moe", None)
-    from moe import summarize
+    summarize = _bench_script(monkeypatch, "moe").summarize
 
     def run(us, iqr, shared):
         return {"us": us, "iqr": iqr, "floor_us": 50.0, "ran": {"shared": shared}}
@@ -457,18 +462,13 @@ def test_timing_hold_bench_reads_its_problems_and_winners_from_the_database(monk
     match comes back as the problem the sweep measured (the same key) with its winner's family and params, which
     the family accepts; a pattern that matches nothing is a one-line exit, not an empty run."""
     import sqlite3
-    import sys
-    from pathlib import Path
 
     import pytest
 
     from k3tune.kernels import family
     from k3tune.shipped import tuning_db_dir
 
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "bench"))
-    sys.modules.pop("timing_hold", None)
-    sys.modules.pop("gemm", None)
-    from timing_hold import winners
+    winners = _bench_script(monkeypatch, "timing_hold").winners
 
     db = str(tuning_db_dir() / "h200.sqlite")
     got = winners(db, ["mla.q_a[M=16,N=1536,%", "moe.block[tp=8,M=1,%format=bf16,routing=uniform]"])
@@ -512,12 +512,8 @@ def test_bench_weights_quantise_a_slice_of_experts_at_a_time_to_the_same_bits(mo
     """bench/moe.py builds its MXFP4 layers a slice of experts at a time (an 80 GB card ran out of memory quantising
     a whole TP8 w13, s50-r1): every tensor must equal random_weights' own MXFP4 weights bit for bit, so the bench
     times the weights the sweep measured; bf16 and a bad format go to random_weights unchanged."""
-    import sys
-    from pathlib import Path
 
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "bench"))
-    sys.modules.pop("moe", None)
-    import moe
+    moe = _bench_script(monkeypatch, "moe")
 
     monkeypatch.setattr(moe, "EXPERTS_A_SLICE", 5)  # 32 experts: slices of 5 and a ragged 2
     whole, sliced = random_weights(SMALL, 4, fmt="mxfp4", seed=3), moe.bench_weights(SMALL, 4, "mxfp4", 3, "cpu")
