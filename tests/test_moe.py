@@ -2,6 +2,14 @@
 MXFP4 format, and the executor's refusals. The same checks at K3's true shapes run on a GPU:
 tests/test_gpu_moe.py."""
 
+import importlib
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -11,17 +19,14 @@ from k3tune.runtime import Selector
 from k3tune.runtime.moe import (BlockShape, EmulatedComm, MoEBlock, random_weights, reference, routing_agrees,
                                 virtual_full)
 
+BENCH = Path(__file__).resolve().parent.parent / "bench"  # the bench scripts, which some tests run
 SMALL = BlockShape(hidden=256, experts=32, top_k=4, latent=128, inter=128, shared_inter=256)
 
 
 def _bench_script(monkeypatch, name: str):
     """bench/NAME.py imported afresh, with bench/gemm.py (which the scripts import as ``gemm``): bench/ is not a
     package, and a module another test imported must not stand in for it."""
-    import importlib
-    import sys
-    from pathlib import Path
-
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "bench"))
+    monkeypatch.syspath_prepend(str(BENCH))
     for module in (name, "gemm"):
         sys.modules.pop(module, None)
     return importlib.import_module(name)
@@ -192,8 +197,6 @@ def test_block_shape_reads_k3s_config():
 def test_block_sweep_records_the_chosen_knobs(tmp_path):
     """The bf16-expert block spec plans 14 problems and a (simulated) sweep records a winner for each, with
     its shared-expert SM split and prefetch size; on a GPU the same spec is measured through the executor."""
-    import sqlite3
-
     from k3tune.cli import main
 
     db = tmp_path / "moe.sqlite"
@@ -348,12 +351,7 @@ def test_every_trial_of_a_block_problem_routes_the_same_tokens_to_the_same_exper
 def test_experts_ab_reads_two_runs_and_says_when_the_new_code_lost(tmp_path):
     """bench/experts_ab.py, run as the device scripts run it: the ratio per point and variant, exit 0 when the new
     run is no slower, 1 when a point is slower beyond the threshold, 1 with a one-line error on a bad file."""
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    script = Path(__file__).resolve().parent.parent / "bench" / "experts_ab.py"
+    script = BENCH / "experts_ab.py"
 
     def run_file(name, us):
         rows = [{"tp": 16, "batch": b, "routing": "uniform", "touched": 16,
@@ -377,11 +375,7 @@ def test_experts_ab_reads_two_runs_and_says_when_the_new_code_lost(tmp_path):
 def test_expert_sass_mix_counts_the_innermost_mma_loop(tmp_path):
     """bench/expert_sass.py mix, as run on the dumped SASS: the opcodes of the innermost loop holding HMMAs (not the
     outer item loop, not a loop without MMAs), with the pipe each issues on, per decoded word."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    script = Path(__file__).resolve().parent.parent / "bench" / "expert_sass.py"
+    script = BENCH / "expert_sass.py"
     sass = "\n".join([
         "        /*0100*/   IMAD.MOV.U32 R1, RZ, RZ, R2 ;",
         "        /*0110*/   LOP3.LUT R3, R1, 0x81c081c0, RZ, 0xc0, !PT ;",  # outer loop start
@@ -409,10 +403,6 @@ def test_bench_json_is_rewritten_whole_or_not_at_all(tmp_path, monkeypatch):
     """bench/moe.py rewrites its JSON after every row through ``write_json`` (bench/gemm.py): a run its timeout
     cuts short keeps the rows it finished (s25-r3 lost a whole TP16 run), and a write that fails leaves the last
     whole file, not half of one."""
-    import json
-
-    import pytest
-
     write_json = _bench_script(monkeypatch, "gemm").write_json
 
     out = tmp_path / "bench-moe.json"
@@ -429,7 +419,6 @@ def test_bench_split_bar_counts_a_serial_choice_as_no_split(monkeypatch):
     knobs must not count as a split beating serial on noise (s26-r4 counted four such rows); the choice still
     holds where it beats the even split and serial does not beat it. A plain side stream splits no SMs: it counts
     as an overlap that wins, apart from the splits."""
-
     summarize = _bench_script(monkeypatch, "moe").summarize
 
     def run(us, iqr, shared):
@@ -461,10 +450,6 @@ def test_timing_hold_bench_reads_its_problems_and_winners_from_the_database(monk
     """bench/timing_hold.py (the timing-method A/B) names its problems by key patterns on a real database: each
     match comes back as the problem the sweep measured (the same key) with its winner's family and params, which
     the family accepts; a pattern that matches nothing is a one-line exit, not an empty run."""
-    import sqlite3
-
-    import pytest
-
     from k3tune.kernels import family
     from k3tune.shipped import tuning_db_dir
 
@@ -486,12 +471,7 @@ def test_expert_sass_disassembles_a_kernel_compiled_on_the_cpu(tmp_path):
     tensor-core w13 kernel compiled for sm_90a, its registers and spills read back, its SASS dumped and its K loop
     found — the bf16 MMAs the rotate-and-mask decode feeds, and no local memory (s26: the e4m3 path's 212 registers
     and emulated e4m3 MMAs were found this way)."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    script = Path(__file__).resolve().parent.parent / "bench" / "expert_sass.py"
+    script = BENCH / "expert_sass.py"
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a")
 
     def sass(*args):
@@ -512,7 +492,6 @@ def test_bench_weights_quantise_a_slice_of_experts_at_a_time_to_the_same_bits(mo
     """bench/moe.py builds its MXFP4 layers a slice of experts at a time (an 80 GB card ran out of memory quantising
     a whole TP8 w13, s50-r1): every tensor must equal random_weights' own MXFP4 weights bit for bit, so the bench
     times the weights the sweep measured; bf16 and a bad format go to random_weights unchanged."""
-
     moe = _bench_script(monkeypatch, "moe")
 
     monkeypatch.setattr(moe, "EXPERTS_A_SLICE", 5)  # 32 experts: slices of 5 and a ragged 2
