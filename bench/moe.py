@@ -61,14 +61,14 @@ def time_blocks(blocks, x, samples: int) -> list[float]:
 EXPERTS_A_SLICE = 64  # MXFP4 experts quantised at once by bench_weights
 
 
-def bench_weights(sh: BlockShape, tp: int, fmt: str, seed: int, device: str = "cuda"):
-    """``random_weights(sh, tp, fmt=fmt, device=device, seed=seed)``, bit for bit, with the MXFP4 experts quantised
+def bench_weights(sh: BlockShape, tp: int, fmt: str, seed: int, device: str = "cuda", rank: int = 0):
+    """``random_weights(sh, tp, rank, fmt=fmt, device=device, seed=seed)``, bit for bit, with the MXFP4 experts quantised
     EXPERTS_A_SLICE experts at a time. Quantising a whole TP8 w13 at once takes ~40 GB of fp32 and int64
     temporaries: beside the other layers an 80 GB card runs out of memory (s50-r1, H100). The bench's code, not the
     served code's: the weights' values are the same, so no result's key changes."""
     if fmt != "mxfp4":
-        return random_weights(sh, tp, fmt=fmt, device=device, seed=seed)
-    w = random_weights(sh, tp, fmt="bf16", device=device, seed=seed)  # the same draws: quantising draws nothing
+        return random_weights(sh, tp, rank, fmt=fmt, device=device, seed=seed)
+    w = random_weights(sh, tp, rank, fmt="bf16", device=device, seed=seed)  # the same draws: quantising draws nothing
 
     def quantize(t):
         codes, scales = zip(*(mxfp4.quantize(part) for part in t.split(EXPERTS_A_SLICE)))

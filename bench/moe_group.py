@@ -28,10 +28,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from moe import bench_weights  # bench/moe.py (this script runs from bench/)
+
 from k3tune.plan import model as models
 from k3tune.plan import routing as routings
 from k3tune.runtime import Selector
-from k3tune.runtime.moe import BlockShape, EmulatedComm, MoEBlock, random_weights
+from k3tune.runtime.moe import BlockShape, EmulatedComm, MoEBlock
 from k3tune.runtime.tp_group import GroupComm
 from k3tune.shipped import configs_dir
 
@@ -61,7 +63,7 @@ def run(rank: int, args, gpu: bool) -> list[dict]:
     sh = BlockShape.from_config(args.config or configs_dir() / "kimi_k3_config.json")
     model = models.load(configs_dir() / args.model)
     sel = Selector.load(args.db, model=model, routing=args.routing)
-    layers = [random_weights(sh, tp, rank, fmt=args.fmt, device=dev, seed=i) for i in range(args.layers)]
+    layers = [bench_weights(sh, tp, args.fmt, seed=i, device=dev, rank=rank) for i in range(args.layers)]
     comm = GroupComm()
     found = detect() if gpu else None
     link = found[1].key if found and found[1] else None  # this GPU's NVLink figure for the stand-ins

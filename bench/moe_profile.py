@@ -21,13 +21,13 @@ import random
 
 import torch
 
-from moe import current_block_keys, served_knobs  # bench/moe.py (this script runs from bench/)
+from moe import bench_weights, current_block_keys, served_knobs  # bench/moe.py (this script runs from bench/)
 
 from k3tune.kernels.moe_experts import ExpertKernelConfig
 from k3tune.plan import model as models
 from k3tune.plan import routing as routings
 from k3tune.runtime import Selector
-from k3tune.runtime.moe import BlockShape, EmulatedComm, MoEBlock, random_weights
+from k3tune.runtime.moe import BlockShape, EmulatedComm, MoEBlock
 from k3tune.shipped import configs_dir, tuning_db_dir
 
 
@@ -70,7 +70,7 @@ def profile(args, db) -> None:
     sel = Selector.load(db, model=models.load(configs_dir() / model), routing=args.routing)
     # shared on n SMs, routed on the rest (--served takes the split from the winner instead)
     split = shared_partition(args.shared_sms) if args.shared_sms and not args.served else None
-    layers = [random_weights(sh, args.tp, fmt=args.fmt, device="cuda", seed=i) for i in range(4)]
+    layers = [bench_weights(sh, args.tp, args.fmt, seed=i) for i in range(4)]
     for batch in (int(b) for b in args.batches.split(",")):
         ids = routings.sample(args.routing, sh.experts, sh.top_k, batch, random.Random(batch))
         top = torch.tensor(ids, device="cuda", dtype=torch.int32)  # the kernels read it in place

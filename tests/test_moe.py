@@ -491,7 +491,7 @@ def test_expert_sass_disassembles_a_kernel_compiled_on_the_cpu(tmp_path):
 def test_bench_weights_quantise_a_slice_of_experts_at_a_time_to_the_same_bits(monkeypatch):
     """bench/moe.py builds its MXFP4 layers a slice of experts at a time (an 80 GB card ran out of memory quantising
     a whole TP8 w13, s50-r1): every tensor must equal random_weights' own MXFP4 weights bit for bit, so the bench
-    times the weights the sweep measured; bf16 and a bad format go to random_weights unchanged."""
+    times the weights the sweep measured; bf16 and a bad format go to random_weights unchanged, and so does a rank."""
     moe = _bench_script(monkeypatch, "moe")
 
     monkeypatch.setattr(moe, "EXPERTS_A_SLICE", 5)  # 32 experts: slices of 5 and a ragged 2
@@ -502,5 +502,7 @@ def test_bench_weights_quantise_a_slice_of_experts_at_a_time_to_the_same_bits(mo
     for name in ("w13", "w2"):
         assert all(torch.equal(a, b) for a, b in zip(getattr(whole, name), getattr(sliced, name), strict=True)), name
     assert torch.equal(moe.bench_weights(SMALL, 4, "bf16", 3, "cpu").w13, random_weights(SMALL, 4, seed=3).w13)
+    other = moe.bench_weights(SMALL, 4, "mxfp4", 3, "cpu", rank=1)  # another rank's shards (bench/moe_group.py)
+    assert all(torch.equal(a, b) for a, b in zip(other.w13, random_weights(SMALL, 4, 1, fmt="mxfp4", seed=3).w13))
     with pytest.raises(ConfigError, match="expert weight format 'fp8'"):
         moe.bench_weights(SMALL, 4, "fp8", 3, "cpu")
