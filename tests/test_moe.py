@@ -503,6 +503,7 @@ def test_bench_weights_quantise_a_slice_of_experts_at_a_time_to_the_same_bits(mo
         assert all(torch.equal(a, b) for a, b in zip(getattr(whole, name), getattr(sliced, name), strict=True)), name
     assert torch.equal(moe.bench_weights(SMALL, 4, "bf16", 3, "cpu").w13, random_weights(SMALL, 4, seed=3).w13)
     other = moe.bench_weights(SMALL, 4, "mxfp4", 3, "cpu", rank=1)  # another rank's shards (bench/moe_group.py)
-    assert all(torch.equal(a, b) for a, b in zip(other.w13, random_weights(SMALL, 4, 1, fmt="mxfp4", seed=3).w13))
+    assert all(torch.equal(a, b) for a, b in zip(other.w13, random_weights(SMALL, 4, 1, fmt="mxfp4", seed=3).w13,
+                                                    strict=True))
     with pytest.raises(ConfigError, match="expert weight format 'fp8'"):
         moe.bench_weights(SMALL, 4, "fp8", 3, "cpu")
