@@ -60,7 +60,7 @@ def _twice(fam, p, cfg, seed: int, poison=("out",)) -> dict:
 @pytest.mark.parametrize("m", MS)
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("name", ["gemm.cublas", "gemm.smallm", "gemm.splitk_tc", "gemm.wgmma", "gemm.stream",
-                                  "gemm.splitk_cluster", "gemm.wgmma_ck", "gemm.splitk_alias"])
+                                  "gemm.splitk_cluster", "gemm.wgmma_ck", "gemm.splitk_pf"])
 def test_gemm_default_numerics(name, m, n, k):
     if _check(name, m, n, k) is None:
         pytest.skip(f"{name} does not implement M={m}, N={n}, K={k}")
@@ -250,9 +250,9 @@ def test_splitk_tc_space_sample_numerics(farm, m, n, k):
 
 
 @pytest.mark.parametrize("m,n,k", [(3, 280, 7168), (17, 7168, 768), (64, 1000, 1536)])
-@pytest.mark.parametrize("name", ["gemm.splitk_cluster", "gemm.splitk_alias"])
+@pytest.mark.parametrize("name", ["gemm.splitk_cluster", "gemm.splitk_pf"])
 def test_splitk_cluster_sample_numerics(name, m, n, k):
-    """The cluster-summed split-K kernels (receive buffer of its own, or on rank 0's ring): every warp layout,
+    """The cluster-summed split-K kernels (gemm_splitk_pf: with the L2 prefetch under PDL): every warp layout,
     token tile and cluster size at one ring, PDL on every 3rd; rows past N (280, 1000), tokens past M (3, 17); each
     run twice on the same buffers (the mbarriers and the receive buffers are set up by every launch)."""
     from k3tune.kernels.gemm_splitk_tc import SplitKConfig
@@ -275,7 +275,7 @@ def test_splitk_cluster_sample_numerics(name, m, n, k):
                                         ("gemm.wgmma", {"split_k": 1}), ("gemm.wgmma", {"split_k": 4}),
                                         ("gemm.stream", {"rows": 8, "warps": 4, "mma": 1}),
                                         ("gemm.splitk_cluster", {"split_k": 4}),
-                                        ("gemm.splitk_alias", {"split_k": 8}),
+                                        ("gemm.splitk_pf", {"split_k": 8, "stages": 2}),
                                         ("gemm.wgmma_ck", {"split_k": 3, "bk": 128}),
                                         ("gemm.wgmma_ck", {"split_k": 8, "bk": 64})])
 def test_pdl_chain(name, knobs):

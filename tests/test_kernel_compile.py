@@ -286,10 +286,10 @@ CLUSTER_SAMPLE = sorted({(1, wn, wk, tm, s, 128 if wk == 4 else 64, 3, s % 4 == 
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
-@pytest.mark.parametrize("module", ["gemm_splitk_cluster", "gemm_splitk_alias"])
+@pytest.mark.parametrize("module", ["gemm_splitk_cluster", "gemm_splitk_pf"])
 def test_splitk_cluster_compiles(module, arch):
-    """Both cluster-summed kernels (gemm_splitk_alias: the receive buffer on rank 0's ring) over the sample, and the
-    alias kernel's layout for M = 16 (16-token tile, split 8, a 4-stage 128-wide ring)."""
+    """Both cluster-summed kernels (gemm_splitk_pf: with the L2 prefetch under PDL) over the sample, and the
+    M = 16 layout (16-token tile, split 8, a 4-stage 128-wide ring)."""
     import importlib
 
     compiled = importlib.import_module(f"k3tune.kernels.{module}").compiled
@@ -305,7 +305,7 @@ def test_every_cute_kernel_compiles_for_gb300s_own_arch():
     CuTe kernel, and of each kind of the block's kernels, compiles for it; the Hopper-only wgmma families refuse it
     as a declared CannotImplement, never a crash."""
     from k3tune.errors import CannotImplement
-    from k3tune.kernels import (allreduce, gemm_smallm, gemm_splitk_alias, gemm_splitk_cluster, gemm_stream,
+    from k3tune.kernels import (allreduce, gemm_smallm, gemm_splitk_cluster, gemm_splitk_pf, gemm_stream,
                                 gemm_wgmma, gemm_wgmma_ck, l2_prefetch, moe_experts, moe_experts_tc)
 
     arch = "sm_103a"
@@ -313,7 +313,7 @@ def test_every_cute_kernel_compiles_for_gb300s_own_arch():
         warnings.simplefilter("ignore", DeprecationWarning)
         built = [gemm_smallm.compiled(*SAMPLE[0], arch), gemm_splitk_tc.compiled(*TC_SAMPLE[-1], arch),
                  gemm_splitk_cluster.compiled(*CLUSTER_SAMPLE[-1][:7], int(CLUSTER_SAMPLE[-1][7]), arch),
-                 gemm_splitk_alias.compiled(1, 1, 4, 16, 8, 128, 4, 1, arch),
+                 gemm_splitk_pf.compiled(1, 1, 4, 16, 8, 128, 4, 1, arch),
                  gemm_stream.compiled(1, 4, 8, 7168, 1, arch, 1), l2_prefetch.compiled(arch),
                  allreduce.compiled(8, True, 1e-6, 2, arch)]
         for kind, knobs in [("w13", (4, 4, 4, 32, 1, 4.0, 25.0)), ("w2", (8, 2, 4, 32, 1)),
