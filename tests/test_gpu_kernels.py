@@ -60,7 +60,7 @@ def _twice(fam, p, cfg, seed: int, poison=("out",)) -> dict:
 @pytest.mark.parametrize("m", MS)
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("name", ["gemm.cublas", "gemm.smallm", "gemm.splitk_tc", "gemm.wgmma", "gemm.stream",
-                                  "gemm.splitk_cluster", "gemm.wgmma_ck", "gemm.splitk_pf"])
+                                  "gemm.splitk_cluster", "gemm.wgmma_ck"])
 def test_gemm_default_numerics(name, m, n, k):
     if _check(name, m, n, k) is None:
         pytest.skip(f"{name} does not implement M={m}, N={n}, K={k}")
@@ -250,18 +250,17 @@ def test_splitk_tc_space_sample_numerics(farm, m, n, k):
 
 
 @pytest.mark.parametrize("m,n,k", [(3, 280, 7168), (17, 7168, 768), (64, 1000, 1536)])
-@pytest.mark.parametrize("name", ["gemm.splitk_cluster", "gemm.splitk_pf"])
-def test_splitk_cluster_sample_numerics(name, m, n, k):
-    """The cluster-summed split-K kernels (gemm_splitk_pf: with the L2 prefetch under PDL): every warp layout,
-    token tile and cluster size at one ring, PDL on every 3rd; rows past N (280, 1000), tokens past M (3, 17); each
-    run twice on the same buffers (the mbarriers and the receive buffers are set up by every launch)."""
+def test_splitk_cluster_sample_numerics(m, n, k):
+    """The cluster-summed split-K kernel: every warp layout, token tile
+    and cluster size at one ring, PDL on every 3rd; rows past N (280, 1000), tokens past M (3, 17); each run twice on
+    the same buffers (the mbarriers and the receive buffers are set up by every launch)."""
     from k3tune.kernels.gemm_splitk_tc import SplitKConfig
 
-    fam = family(name)
+    fam = family("gemm.splitk_cluster")
     p = Problem("kda.o_proj", "gemm", (("M", m), ("N", n), ("K", k)))
     cfgs = [SplitKConfig(m_tiles=1, warps_n=wn, warps_k=wk, tile_m=tm, split_k=s, bk=128 if wk == 4 else 64,
                          stages=3, reduce=0, pdl=int(i % 3 == 0))
-            for i, (wn, wk, tm, s) in enumerate(itertools.product((1, 2, 4), (1, 2, 4), (8, 16, 32), (2, 4, 8)))]
+            for i, (wn, wk, tm, s) in enumerate(itertools.product((1, 2, 4), (1, 2, 4), (8, 32), (2, 4, 8)))]
     cfgs = [c for c in cfgs if c.tile_m in fam.space(p)["tile_m"] and fam.valid(c, p)]
     for i, cfg in enumerate(cfgs):
         _twice(fam, p, cfg, 3000 + i)
@@ -275,7 +274,6 @@ def test_splitk_cluster_sample_numerics(name, m, n, k):
                                         ("gemm.wgmma", {"split_k": 1}), ("gemm.wgmma", {"split_k": 4}),
                                         ("gemm.stream", {"rows": 8, "warps": 4, "mma": 1}),
                                         ("gemm.splitk_cluster", {"split_k": 4}),
-                                        ("gemm.splitk_pf", {"split_k": 8, "stages": 2}),
                                         ("gemm.wgmma_ck", {"split_k": 3, "bk": 128}),
                                         ("gemm.wgmma_ck", {"split_k": 8, "bk": 64})])
 def test_pdl_chain(name, knobs):
@@ -412,3 +410,24 @@ def test_attention_baselines_on_gpu():
         inputs = fam.make_inputs(p, torch.device("cuda"), torch.Generator(device="cuda").manual_seed(3))
         out = fam.build(p, fam.default_config(p))(inputs)
         assert relative_error(out, fam.reference(p, inputs)) < fam.tolerance(p)
+
+
+def test_kline_fits_a_fixed_part_and_a_rate_over_k(tmp_path):
+    """bench/kline.py end to end, as it runs on the device: a split-K config and cuBLAS over three K, each point
+    checked against the reference and timed, a line fitted per config and written atomically."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "kline.json"
+    subprocess.run([sys.executable, "kline.py", "--family", "gemm.splitk_cluster", "--configs", '[{"split_k": 2}]',
+                    "--n", "256", "--ks", "1024,2048,4096", "--ms", "8", "--samples", "3", "--rounds", "1",
+                    "--out", str(out)], cwd=Path(__file__).resolve().parents[1] / "bench", check=True, timeout=600)
+    lines = json.loads(out.read_text())["lines"]
+    assert [(ln["family"], ln["M"], ln["params"]) for ln in lines] == [("gemm.splitk_cluster", 8, {"split_k": 2}),
+                                                                        ("gemm.cublas", 8, {})]
+    for ln in lines:
+        assert [q["K"] for q in ln["points"]] == [1024, 2048, 4096]
+        assert all(q["err"] < 2e-2 and q["us"] > 0 for q in ln["points"])
+        assert ln["rate_tbps"] > 0

@@ -13,7 +13,6 @@ from k3tune.kernels.cpu_double import CpuGemm
 from k3tune.kernels.gemm_cublas import CublasGemm
 from k3tune.kernels.gemm_smallm import SmallMGemm
 from k3tune.kernels.gemm_splitk_cluster import SplitKClusterGemm
-from k3tune.kernels.gemm_splitk_pf import SplitKPrefetchGemm
 from k3tune.kernels.gemm_splitk_tc import SplitKTensorCoreGemm
 from k3tune.kernels.gemm_stream import StreamGemm
 from k3tune.kernels.gemm_wgmma import WgmmaGemm
@@ -40,8 +39,9 @@ FAMILIES: dict[str, KernelFamily] = {
 # (comma-separated; the re-sweep that ships it), until it moves to FAMILIES with that database. (gemm.wgmma was
 # staged so until its dense re-sweep shipped, session 12; gemm.stream until session 13's; gemm.splitk_cluster until
 # session 14's; gemm.wgmma_ck until session 15's.)
-# (Session 30's splitk_tma, splitk_ldsm, splitk_xreg and session 54's splitk_alias were staged, refuted and removed.)
-STAGED: dict[str, KernelFamily] = {f.name: f for f in [SplitKPrefetchGemm()]}
+# None now: session 30's splitk_tma, splitk_ldsm, splitk_xreg and session 54's splitk_alias (87ba501) and splitk_pf
+# (b07cf86) were staged, refuted on a GPU and removed.
+STAGED: dict[str, KernelFamily] = {}
 
 
 _EXTRA_ERROR: list[str] = []  # a bad K3TUNE_EXTRA_FAMILIES, raised on first use (an import-time raise is a traceback)
