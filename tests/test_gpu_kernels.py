@@ -60,7 +60,7 @@ def _twice(fam, p, cfg, seed: int, poison=("out",)) -> dict:
 @pytest.mark.parametrize("m", MS)
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("name", ["gemm.cublas", "gemm.smallm", "gemm.splitk_tc", "gemm.wgmma", "gemm.stream",
-                                  "gemm.splitk_cluster", "gemm.wgmma_ck", "gemm.wgmma_ckr"])
+                                  "gemm.splitk_cluster", "gemm.wgmma_ck"])
 def test_gemm_default_numerics(name, m, n, k):
     if _check(name, m, n, k) is None:
         pytest.skip(f"{name} does not implement M={m}, N={n}, K={k}")
@@ -83,14 +83,13 @@ def test_wgmma_space_numerics(farm, m, n, k):
 
 
 @pytest.mark.parametrize("m,n,k", [(3, 280, 7168), (17, 7168, 768), (64, 1000, 1536), (40, 1536, 7168)])
-@pytest.mark.parametrize("name", ["gemm.wgmma_ck", "gemm.wgmma_ckr"])
-def test_wgmma_ck_space_numerics(farm, name, m, n, k):
+def test_wgmma_ck_space_numerics(farm, m, n, k):
     """The staged wgmma with split-K over a cluster along K: every 5th valid config with PDL off and every 17th with
     it on (odd strides: the split is among the fastest-varying knobs, every cluster size is hit), on rows past N
     (280 and 1000 leave a partial row tile, whose owners must skip the rows past N), tokens past M and every split,
     the uneven ones (3, 5, 6, 7) too; each run twice on the same buffers (the receive mbarrier is set up by every
-    launch). gemm.wgmma_ckr: the same kernel summed on rank 0 alone (staged)."""
-    fam = family(name)
+    launch)."""
+    fam = family("gemm.wgmma_ck")
     p = Problem("kda.o_proj", "gemm", (("M", m), ("N", n), ("K", k)))
     cfgs = list(fam.configs(p))
     sample = [c for c in cfgs if not c.pdl][::5] + [c for c in cfgs if c.pdl][::17]
@@ -276,8 +275,7 @@ def test_splitk_cluster_sample_numerics(m, n, k):
                                         ("gemm.stream", {"rows": 8, "warps": 4, "mma": 1}),
                                         ("gemm.splitk_cluster", {"split_k": 4}),
                                         ("gemm.wgmma_ck", {"split_k": 3, "bk": 128}),
-                                        ("gemm.wgmma_ck", {"split_k": 8, "bk": 64}),
-                                        ("gemm.wgmma_ckr", {"split_k": 8, "bk": 64})])
+                                        ("gemm.wgmma_ck", {"split_k": 8, "bk": 64})])
 def test_pdl_chain(name, knobs):
     """Programmatic dependent launch: y1 = x W1^T, then y2 = y1 W2^T on the same stream, both launched with PDL (the
     second starts while the first finishes and must wait for y1), eagerly and replayed in a CUDA graph; and the

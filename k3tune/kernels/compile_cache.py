@@ -130,8 +130,6 @@ KERNEL_MODULES = {
                                            "k3tune.kernels.gemm_common"),
     "k3tune.kernels.gemm_wgmma_ck": ("k3tune.kernels.gemm_wgmma_ck", "k3tune.kernels.gemm_wgmma",
                                      "k3tune.kernels.gemm_common"),
-    "k3tune.kernels.gemm_wgmma_ckr": ("k3tune.kernels.gemm_wgmma_ckr", "k3tune.kernels.gemm_wgmma_ck",
-                                      "k3tune.kernels.gemm_wgmma", "k3tune.kernels.gemm_common"),
     "k3tune.kernels.moe_experts": ("k3tune.kernels.moe_experts",),
     "k3tune.kernels.l2_prefetch": ("k3tune.kernels.l2_prefetch",),
 }
