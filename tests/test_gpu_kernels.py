@@ -431,3 +431,23 @@ def test_kline_fits_a_fixed_part_and_a_rate_over_k(tmp_path):
         assert [q["K"] for q in ln["points"]] == [1024, 2048, 4096]
         assert all(q["err"] < 2e-2 and q["us"] > 0 for q in ln["points"])
         assert ln["rate_tbps"] > 0
+
+
+def test_timeline_stamps_every_cta_in_order(tmp_path):
+    """bench/timeline.py end to end: splitk_cluster with clock stamps in a CUDA graph of launches gives the
+    reference's result, and in every steady-state launch its CTAs' K loops end after the first one starts and
+    before the launch's last exit."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "timeline.json"
+    cfg = {"warps_n": 1, "warps_k": 4, "tile_m": 8, "split_k": 4, "bk": 128, "stages": 4, "pdl": 1}
+    subprocess.run([sys.executable, "timeline.py", "--configs", json.dumps([[8, cfg]]), "--n", "256", "--k", "4096",
+                    "--launches", "8", "--copies", "2", "--out", str(out)],
+                   cwd=Path(__file__).resolve().parents[1] / "bench", check=True, timeout=600)
+    (r,) = json.loads(out.read_text())
+    u = r["us"]
+    assert r["err"] < 2e-2 and r["ctas"] == 16 * 4 and r["sms_used"] >= 1
+    assert u["first_start"] <= u["first_done"] <= u["last_done"] <= u["last_exit"]
