@@ -66,8 +66,12 @@ def main() -> None:
     ap.add_argument("--no-cublas", action="store_true")
     ap.add_argument("--out")
     args = ap.parse_args()
-    ks, ms = [int(k) for k in args.ks.split(",")], [int(m) for m in args.ms.split(",")]
-    fams = [(family(args.family), json.loads(args.configs))]
+    try:
+        ks, ms = [int(k) for k in args.ks.split(",")], [int(m) for m in args.ms.split(",")]
+        configs = json.loads(args.configs)
+    except ValueError as e:
+        ap.error(f"--ks/--ms take comma-separated integers and --configs a JSON list of knob dicts ({e})")
+    fams = [(family(args.family), configs)]
     if not args.no_cublas:
         fams.append((family("gemm.cublas"), [{}]))
     bw = copy_bandwidth()
@@ -79,9 +83,10 @@ def main() -> None:
                 res = line(fam, params, m, args.n, ks, args.samples, args.rounds)
                 if res:
                     lines.append(res)
+                    rate = res["rate_tbps"]
+                    rate_s = f"{rate:.2f} TB/s ({rate * 1e12 / bw:.2f} of copy)" if rate else "n/a (time falls with K)"
                     print(f"LINE {fam.name:20} M={m:<3} {json.dumps(params)} fixed {res['fixed_us']:.2f} us, "
-                          f"rate {res['rate_tbps']:.2f} TB/s ({res['rate_tbps'] * 1e12 / bw:.2f} of copy), "
-                          f"max residual {res['max_residual_us']:.2f} us", flush=True)
+                          f"rate {rate_s}, max residual {res['max_residual_us']:.2f} us", flush=True)
     if args.out:
         write_json(args.out, {"device": torch.cuda.get_device_name(), "copy_bw_tbps": bw / 1e12, "lines": lines})
 

@@ -435,8 +435,8 @@ def test_kline_fits_a_fixed_part_and_a_rate_over_k(tmp_path):
 
 def test_timeline_stamps_every_cta_in_order(tmp_path):
     """bench/timeline.py end to end: splitk_cluster with clock stamps in a CUDA graph of launches gives the
-    reference's result, and in every steady-state launch its CTAs' K loops end after the first one starts and
-    before the launch's last exit."""
+    reference's result, and over the steady-state launches (medians) the first CTA starts before the first K loop
+    ends, and the last K loop ends before the launch's last exit."""
     import json
     import subprocess
     import sys
