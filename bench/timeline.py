@@ -11,7 +11,7 @@ of launches cycling through weight copies past L2 (as the sweep times), each lau
 is replayed; for the launches after the first few it prints, relative to the end of the launch before (the last
 CTA exit): when this launch's first and median CTA started (negative: started early under PDL), the spread of the
 K loops' ends, the cluster sums after them, and the launch's own span. A diagnostic, not a measurement of record:
-the stamps cost a few instructions a CTA, and the timer ticks in tens of nanoseconds.
+the stamps cost a few instructions a CTA, and ``%globaltimer`` moved in steps of ~0.26 us on the H100 (s54-r8).
 """
 
 import argparse
