@@ -286,17 +286,13 @@ CLUSTER_SAMPLE = sorted({(1, wn, wk, tm, s, 128 if wk == 4 else 64, 3, s % 4 == 
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
-@pytest.mark.parametrize("module", ["gemm_splitk_cluster", "gemm_splitk_xring"])
-def test_splitk_cluster_compiles(module, arch):
-    """Both cluster-summed kernels (gemm_splitk_xring: x in a bulk-copied ring of its own) over the sample, and the
-    M = 16 layout (16-token tile, split 8, a 4-stage 128-wide ring)."""
-    import importlib
+def test_splitk_cluster_compiles(arch):
+    from k3tune.kernels import gemm_splitk_cluster
 
-    compiled = importlib.import_module(f"k3tune.kernels.{module}").compiled
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
-        for knobs in CLUSTER_SAMPLE + [(1, 1, 4, 16, 8, 128, 4, 1)]:
-            assert compiled(*knobs[:7], int(knobs[7]), arch) is not None, knobs
+        for knobs in CLUSTER_SAMPLE:
+            assert gemm_splitk_cluster.compiled(*knobs[:7], int(knobs[7]), arch) is not None, knobs
 
 
 def test_every_cute_kernel_compiles_for_gb300s_own_arch():
