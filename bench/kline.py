@@ -25,12 +25,6 @@ from k3tune.kernels import family
 from k3tune.plan.problems import Problem
 
 
-def fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
-    """Least-squares intercept and slope of ys over xs."""
-    slope, intercept = statistics.linear_regression(xs, ys)
-    return intercept, slope
-
-
 def line(fam, params: dict, m: int, n: int, ks: list[int], samples: int, rounds: int) -> dict | None:
     points = []
     for k in ks:
@@ -48,7 +42,7 @@ def line(fam, params: dict, m: int, n: int, ks: list[int], samples: int, rounds:
         print(f"  {fam.name:20} M={m:<3} N={n} K={k:<6} {r['us']:7.2f} us (±{r['spread']:.2f})", flush=True)
     if len(points) < 2:
         return None
-    fixed, per_byte = fit([q["bytes"] for q in points], [q["us"] for q in points])
+    per_byte, fixed = statistics.linear_regression([q["bytes"] for q in points], [q["us"] for q in points])
     resid = max(abs(q["us"] - fixed - per_byte * q["bytes"]) for q in points)
     return {"family": fam.name, "params": params, "M": m, "N": n, "fixed_us": fixed,
             "rate_tbps": 1e-6 / per_byte if per_byte > 0 else None, "max_residual_us": resid, "points": points}

@@ -445,7 +445,7 @@ def test_timeline_stamps_every_cta_in_order(tmp_path):
     out = tmp_path / "timeline.json"
     cfg = {"warps_n": 1, "warps_k": 4, "tile_m": 8, "split_k": 4, "bk": 128, "stages": 4, "pdl": 1}
     subprocess.run([sys.executable, "timeline.py", "--configs", json.dumps([[8, cfg]]), "--n", "256", "--k", "4096",
-                    "--launches", "8", "--copies", "2", "--out", str(out)],
+                    "--launches", "8", "--out", str(out)],
                    cwd=Path(__file__).resolve().parents[1] / "bench", check=True, timeout=600)
     (r,) = json.loads(out.read_text())
     u = r["us"]
