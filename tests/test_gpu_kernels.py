@@ -267,6 +267,22 @@ def test_splitk_cluster_sample_numerics(m, n, k):
     assert len(cfgs) >= 12, len(cfgs)
 
 
+@pytest.mark.parametrize("m,n,k", [(3, 280, 7168), (17, 7168, 768), (16, 1536, 7168)])
+def test_splitk_trig_numerics(m, n, k):
+    """Staged gemm.splitk_trig (splitk_cluster triggering the next launch ``late`` stages before the end of its K
+    loop): every trigger point, at layouts whose slices are longer and shorter than it, each run twice."""
+    from k3tune.kernels.gemm_splitk_trig import LATE, TrigConfig
+
+    fam = family("gemm.splitk_trig")
+    p = Problem("kda.o_proj", "gemm", (("M", m), ("N", n), ("K", k)))
+    cfgs = [TrigConfig(m_tiles=1, warps_n=wn, warps_k=wk, tile_m=tm, split_k=s, bk=128, stages=st, pdl=1, late=late)
+            for late in LATE for wn, wk, tm, s, st in ((1, 4, 8, 8, 4), (2, 2, 16, 4, 6))]
+    cfgs = [c for c in cfgs if c.tile_m in fam.space(p)["tile_m"] and fam.valid(c, p)]
+    for i, cfg in enumerate(cfgs):
+        _twice(fam, p, cfg, 5000 + i)
+    assert len(cfgs) >= 2 * len(LATE) - 2, len(cfgs)
+
+
 @pytest.mark.parametrize("name,knobs", [("gemm.splitk_tc", {"split_k": 1, "reduce": 0}),
                                         ("gemm.splitk_tc", {"split_k": 4, "reduce": 0}),
                                         ("gemm.splitk_tc", {"split_k": 4, "reduce": 1}),
@@ -274,6 +290,8 @@ def test_splitk_cluster_sample_numerics(m, n, k):
                                         ("gemm.wgmma", {"split_k": 1}), ("gemm.wgmma", {"split_k": 4}),
                                         ("gemm.stream", {"rows": 8, "warps": 4, "mma": 1}),
                                         ("gemm.splitk_cluster", {"split_k": 4}),
+                                        ("gemm.splitk_trig", {"split_k": 4, "late": 2}),
+                                        ("gemm.splitk_trig", {"split_k": 8, "late": 8}),
                                         ("gemm.wgmma_ck", {"split_k": 3, "bk": 128}),
                                         ("gemm.wgmma_ck", {"split_k": 8, "bk": 64})])
 def test_pdl_chain(name, knobs):

@@ -295,6 +295,18 @@ def test_splitk_cluster_compiles(arch):
             assert gemm_splitk_cluster.compiled(*knobs[:7], int(knobs[7]), arch) is not None, knobs
 
 
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_splitk_trig_compiles(arch):
+    """Staged gemm.splitk_trig: every trigger point at the 16-token and the M = 8 winner's layouts."""
+    from k3tune.kernels import gemm_splitk_trig
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        for late in gemm_splitk_trig.LATE:
+            for knobs in ((1, 2, 2, 16, 4, 128, 6), (1, 1, 4, 8, 8, 128, 4)):
+                assert gemm_splitk_trig.compiled(*knobs, 1, late, arch) is not None, (knobs, late)
+
+
 def test_every_cute_kernel_compiles_for_gb300s_own_arch():
     """GB300 (Blackwell Ultra, compute capability 10.3) is the target, and a sweep there compiles for sm_103a (the
     GPU's own arch: k3tune.kernels.gemm_smallm.current_arch), not the sm_100a the tests above use. One sample of every
