@@ -267,7 +267,7 @@ def test_splitk_cluster_sample_numerics(m, n, k):
     assert len(cfgs) >= 12, len(cfgs)
 
 
-@pytest.mark.parametrize("m,n,k", [(3, 280, 7168), (17, 7168, 768), (16, 1536, 7168)])
+@pytest.mark.parametrize("m,n,k", [(3, 280, 7168), (17, 7168, 2048), (16, 1536, 7168)])
 def test_splitk_trig_numerics(m, n, k):
     """Staged gemm.splitk_trig (splitk_cluster triggering the next launch ``late`` stages before the end of its K
     loop): every trigger point, at layouts whose slices are longer and shorter than it, each run twice."""
@@ -280,7 +280,24 @@ def test_splitk_trig_numerics(m, n, k):
     cfgs = [c for c in cfgs if c.tile_m in fam.space(p)["tile_m"] and fam.valid(c, p)]
     for i, cfg in enumerate(cfgs):
         _twice(fam, p, cfg, 5000 + i)
-    assert len(cfgs) >= 2 * len(LATE) - 2, len(cfgs)
+    assert len(cfgs) >= len(LATE), len(cfgs)  # at M = 3 no 16-token tile
+
+
+@pytest.mark.parametrize("m,n,k", [(3, 280, 7168), (17, 7168, 2048), (16, 1536, 7168)])
+def test_wgmma_cktrig_numerics(m, n, k):
+    """Staged gemm.wgmma_cktrig (wgmma_ck triggering the next launch ``late`` stages before the end of its K loop):
+    every trigger point at two layouts (an uneven split of 5 among them), each run twice."""
+    from k3tune.kernels.gemm_splitk_trig import LATE
+    from k3tune.kernels.gemm_wgmma_cktrig import WgmmaTrigConfig
+
+    fam = family("gemm.wgmma_cktrig")
+    p = Problem("kda.o_proj", "gemm", (("M", m), ("N", n), ("K", k)))
+    cfgs = [WgmmaTrigConfig(warpgroups=1, tile_m=tm, split_k=s, bk=128, stages=4, pdl=1, late=late)
+            for late in LATE for tm, s in ((8, 8), (16, 5))]
+    cfgs = [c for c in cfgs if fam.valid(c, p)]
+    for i, cfg in enumerate(cfgs):
+        _twice(fam, p, cfg, 6000 + i)
+    assert len(cfgs) >= len(LATE), len(cfgs)
 
 
 @pytest.mark.parametrize("name,knobs", [("gemm.splitk_tc", {"split_k": 1, "reduce": 0}),
@@ -293,7 +310,8 @@ def test_splitk_trig_numerics(m, n, k):
                                         ("gemm.splitk_trig", {"split_k": 4, "late": 2}),
                                         ("gemm.splitk_trig", {"split_k": 8, "late": 8}),
                                         ("gemm.wgmma_ck", {"split_k": 3, "bk": 128}),
-                                        ("gemm.wgmma_ck", {"split_k": 8, "bk": 64})])
+                                        ("gemm.wgmma_ck", {"split_k": 8, "bk": 64}),
+                                        ("gemm.wgmma_cktrig", {"split_k": 5, "bk": 128, "late": 4})])
 def test_pdl_chain(name, knobs):
     """Programmatic dependent launch: y1 = x W1^T, then y2 = y1 W2^T on the same stream, both launched with PDL (the
     second starts while the first finishes and must wait for y1), eagerly and replayed in a CUDA graph; and the

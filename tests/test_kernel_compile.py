@@ -307,6 +307,21 @@ def test_splitk_trig_compiles(arch):
                 assert gemm_splitk_trig.compiled(*knobs, 1, late, arch) is not None, (knobs, late)
 
 
+def test_wgmma_cktrig_compiles():
+    """Staged gemm.wgmma_cktrig (Hopper only): every trigger point at the shipped M = 16 pick's layout and an uneven
+    split; the other archs refused as a declared CannotImplement."""
+    from k3tune.errors import CannotImplement
+    from k3tune.kernels import gemm_wgmma_cktrig
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        for late in gemm_wgmma_cktrig.LATE:
+            for knobs in ((1, 16, 8, 128, 4), (1, 8, 5, 64, 6)):
+                assert gemm_wgmma_cktrig.compiled(*knobs, 1, late, "sm_90a") is not None, (knobs, late)
+    with pytest.raises(CannotImplement):
+        gemm_wgmma_cktrig.compiled(1, 16, 8, 128, 4, 1, 8, "sm_100a")
+
+
 def test_every_cute_kernel_compiles_for_gb300s_own_arch():
     """GB300 (Blackwell Ultra, compute capability 10.3) is the target, and a sweep there compiles for sm_103a (the
     GPU's own arch: k3tune.kernels.gemm_smallm.current_arch), not the sm_100a the tests above use. One sample of every

@@ -18,6 +18,7 @@ from k3tune.kernels.gemm_splitk_trig import SplitKTriggerGemm
 from k3tune.kernels.gemm_stream import StreamGemm
 from k3tune.kernels.gemm_wgmma import WgmmaGemm
 from k3tune.kernels.gemm_wgmma_ck import WgmmaClusterKGemm
+from k3tune.kernels.gemm_wgmma_cktrig import WgmmaCkTriggerGemm
 from k3tune.kernels.kda_decode import KdaFused, KdaTorch
 from k3tune.kernels.mla_decode import MlaSplitKv, MlaTorch
 from k3tune.kernels.moe_block import MoeOverlap, MoeStock
@@ -42,7 +43,7 @@ FAMILIES: dict[str, KernelFamily] = {
 # session 14's; gemm.wgmma_ck until session 15's.)
 # Session 30's splitk_tma, splitk_ldsm, splitk_xreg and session 54's splitk_alias (87ba501), splitk_pf (b07cf86),
 # wgmma_ckr (7c63ab5) and splitk_xring (cb67ed7) were staged, refuted on a GPU and removed.
-STAGED: dict[str, KernelFamily] = {f.name: f for f in [SplitKTriggerGemm()]}
+STAGED: dict[str, KernelFamily] = {f.name: f for f in [SplitKTriggerGemm(), WgmmaCkTriggerGemm()]}
 
 
 _EXTRA_ERROR: list[str] = []  # a bad K3TUNE_EXTRA_FAMILIES, raised on first use (an import-time raise is a traceback)

@@ -27,12 +27,13 @@ from k3tune.kernels.gemm_splitk_cluster import SplitKClusterGemm
 from k3tune.kernels.gemm_splitk_tc import SplitKConfig
 from k3tune.plan.problems import Problem
 
-LATE = (0, 1, 2, 3, 4, 5, 6, 8)
+LATE = (0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 1024)  # 1024: at the loop's first stage (right after the wait)
 
 
 @dataclass(frozen=True)
 class TrigConfig(SplitKConfig):
-    late: int = 0  # K-loop stages left when the next launch may start (with pdl): 0 at the start (splitk_cluster's)
+    late: int = 0  # K-loop stages left when the next launch may start (with pdl): 0 at the start (splitk_cluster's),
+    # more than the slice has: at its first stage, after griddepcontrol.wait (one launch ahead at most)
 
 
 class SplitKTriggerGemm(SplitKClusterGemm):
