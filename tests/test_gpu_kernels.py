@@ -311,7 +311,7 @@ def test_wgmma_cktrig_numerics(m, n, k):
                                         ("gemm.splitk_trig", {"split_k": 8, "late": 8}),
                                         ("gemm.wgmma_ck", {"split_k": 3, "bk": 128}),
                                         ("gemm.wgmma_ck", {"split_k": 8, "bk": 64}),
-                                        ("gemm.wgmma_cktrig", {"split_k": 5, "bk": 128, "late": 4})])
+                                        ("gemm.wgmma_cktrig", {"split_k": 5, "bk": 64, "late": 4})])
 def test_pdl_chain(name, knobs):
     """Programmatic dependent launch: y1 = x W1^T, then y2 = y1 W2^T on the same stream, both launched with PDL (the
     second starts while the first finishes and must wait for y1), eagerly and replayed in a CUDA graph; and the

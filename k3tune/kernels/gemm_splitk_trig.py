@@ -30,6 +30,15 @@ from k3tune.plan.problems import Problem
 LATE = (0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 1024)  # 1024: at the loop's first stage (right after the wait)
 
 
+def late_seeds(ktiles: int) -> list[int]:
+    """Trigger points worth a seed for a slice of ``ktiles`` stages, as LATE values: its second stage, its middle,
+    its first (s55-r2/r3, H100: the best of the 16-token layouts on TP8's 1536 x 7168 and 7168 x 1536 ops)."""
+    def at(stage: int) -> int:  # the LATE value that fires at the latest point no later than ``stage``
+        return min((x for x in LATE if x >= ktiles - stage), default=LATE[-1])
+
+    return list(dict.fromkeys(at(s) for s in (1, ktiles // 2, 0)))
+
+
 @dataclass(frozen=True)
 class TrigConfig(SplitKConfig):
     late: int = 0  # K-loop stages left when the next launch may start (with pdl): 0 at the start (splitk_cluster's),
@@ -58,10 +67,11 @@ class SplitKTriggerGemm(SplitKClusterGemm):
         return seeds[0] if seeds else TrigConfig()
 
     def seeds(self, problem: Problem) -> list[TrigConfig]:
-        """splitk_cluster's seeds as they are (late 0), then each with PDL triggering where its ring stops
-        issuing (``stages - 1`` stages left)."""
+        """splitk_cluster's seeds as they are (late 0), then each with PDL triggering at its slice's second
+        stage, at its middle and at its first (``late_seeds``)."""
         base = [TrigConfig(**c.params()) for c in super().seeds(problem)]
-        late = [TrigConfig(**{**c.params(), "late": max(x for x in LATE if x <= c.stages - 1)}) for c in base if c.pdl]
+        late = [TrigConfig(**{**c.params(), "late": t}) for c in base if c.pdl
+                for t in late_seeds(problem["K"] // (c.bk * c.split_k))]
         return list(dict.fromkeys(c for c in base + late if self.valid(c, problem)))
 
     def build(self, problem: Problem, cfg: TrigConfig):

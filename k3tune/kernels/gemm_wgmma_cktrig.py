@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from k3tune.errors import CannotImplement
 from k3tune.kernels import gemm_wgmma_ck
 from k3tune.kernels.gemm_smallm import current_arch
-from k3tune.kernels.gemm_splitk_trig import LATE
+from k3tune.kernels.gemm_splitk_trig import LATE, late_seeds
 from k3tune.kernels.gemm_wgmma import WgmmaConfig
 from k3tune.kernels.gemm_wgmma_ck import SPLITS, WgmmaClusterKGemm
 from k3tune.plan.problems import Problem
@@ -47,10 +47,12 @@ class WgmmaCkTriggerGemm(WgmmaClusterKGemm):
         return seeds[0] if seeds else WgmmaTrigConfig(tile_m=8, split_k=2)
 
     def seeds(self, problem: Problem) -> list[WgmmaTrigConfig]:
-        """wgmma_ck's seeds as they are (late 0), then each with PDL triggering 8 stages before its slice ends
-        (s55-r2: the best point of the 16-token splitk_trig layout on TP8 q_a)."""
+        """wgmma_ck's seeds as they are (late 0), then each with PDL triggering at its slice's second stage, at
+        its middle and at its first (``late_seeds``; s55-r3, H100: the second stage took the shipped M = 16 pick
+        of the 1536 x 7168 ops from 8.6 to 8.1 us, the first kda.o_proj's from 8.26 to 8.15)."""
         base = [WgmmaTrigConfig(**c.params()) for c in super().seeds(problem)]
-        late = [WgmmaTrigConfig(**{**c.params(), "late": 8}) for c in base if c.pdl]
+        late = [WgmmaTrigConfig(**{**c.params(), "late": t}) for c in base if c.pdl
+                for t in late_seeds(problem["K"] // c.bk // c.split_k)]
         return list(dict.fromkeys(c for c in base + late if self.valid(c, problem)))
 
     def build(self, problem: Problem, cfg: WgmmaTrigConfig):
