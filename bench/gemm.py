@@ -190,7 +190,7 @@ def main() -> None:
                 if cfg is not None and fam.name != "gemm.cublas":
                     row["tuned"] = measure(fam.build(p, cfg), fam, p, args.samples, args.rounds)
                     if row["params"].get("pdl"):  # its gain needs a chain of such kernels: show it without
-                        plain = fam.config_from_params(p, {**row["params"], "pdl": 0})
+                        plain = fam.config_from_params(p, fam.canonical({**row["params"], "pdl": 0}))
                         row["tuned_nopdl"] = measure(fam.build(p, plain), fam, p, args.samples, args.rounds)
                 else:
                     row["tuned"] = row["cublas"]
