@@ -436,6 +436,22 @@ def test_a_neighbours_winner_is_also_tried_with_this_problems_token_tile():
     assert params_key({**won, "tile_m": 16}) not in plain, "without the source problem: as it is only"
 
 
+def test_a_family_extending_a_neighbours_winners_family_adopts_the_winner():
+    """Staged gemm.wgmma_cktrig extends gemm.wgmma_ck with a trigger point: a wgmma_ck winner nearby is measured in
+    it at each of its seeded trigger points, and not at all when it ran without PDL (there is nothing to move)."""
+    from k3tune.kernels.gemm_splitk_trig import late_seeds
+    from k3tune.search.strategy import known_candidates
+
+    fam = family("gemm.wgmma_cktrig")
+    p = Problem("mla.q_a", "gemm", (("M", 16), ("N", 1536), ("K", 7168)))
+    won = {"warpgroups": 1, "tile_m": 16, "split_k": 8, "bk": 128, "stages": 4, "pdl": 1}
+    settings = spec.load("smoke").search
+    keys = {c.key for c in known_candidates(p, [fam], settings, [("gemm.wgmma_ck", won, p)])}
+    assert late_seeds(7) == [6, 4, 8]  # 7 stages a slice: the second, the middle, the first
+    assert {params_key({**won, "late": t}) for t in (6, 4, 8)} <= keys
+    assert fam.adopt("gemm.wgmma_ck", {**won, "pdl": 0}, p) == [] and fam.adopt("gemm.wgmma", won, p) == []
+
+
 def test_winners_agree_counts_every_shared_problem_once(tmp_path):
     """bench/winners_agree.py on two simulated sweeps of one spec with different search seeds: every problem both
     sweeps decided is counted once, as the same winner, a tie, beyond, or not cross-measured."""

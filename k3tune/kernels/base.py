@@ -128,6 +128,12 @@ class KernelFamily:
         """Hand-picked starting points the search measures first (after the default); none unless declared."""
         return []
 
+    def adopt(self, family: str, params: dict[str, Any], problem: Problem) -> list[dict[str, Any]]:
+        """Params of this family worth measuring, derived from another family's winner near ``problem`` (a
+        family that extends another with a knob takes that family's winners with the knob set); none unless
+        declared."""
+        return []
+
     def configs(self, problem: Problem) -> Iterator[KernelConfig]:
         space = self.space(problem)
         names = list(space)

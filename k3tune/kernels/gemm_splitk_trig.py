@@ -67,12 +67,20 @@ class SplitKTriggerGemm(SplitKClusterGemm):
         return seeds[0] if seeds else TrigConfig()
 
     def seeds(self, problem: Problem) -> list[TrigConfig]:
-        """splitk_cluster's seeds as they are (late 0), then each with PDL triggering at its slice's second
-        stage, at its middle and at its first (``late_seeds``)."""
-        base = [TrigConfig(**c.params()) for c in super().seeds(problem)]
-        late = [TrigConfig(**{**c.params(), "late": t}) for c in base if c.pdl
-                for t in late_seeds(problem["K"] // (c.bk * c.split_k))]
-        return list(dict.fromkeys(c for c in base + late if self.valid(c, problem)))
+        """The parent's first three PDL seeds triggering at their slice's second stage, middle and first
+        (``late_seeds``); at late 0 they are the parent's own kernels, which the sweep measures under the parent's
+        name, and the parent's winners nearby come in through ``adopt``."""
+        out = []
+        for c in [c for c in super().seeds(problem) if c.pdl][:3]:
+            out += self.adopt("gemm.splitk_cluster", c.params(), problem)
+        return list(dict.fromkeys(c for c in (self.config_cls(**p) for p in out) if self.valid(c, problem)))
+
+    def adopt(self, family: str, params: dict, problem: Problem) -> list[dict]:
+        """A gemm.splitk_cluster config (a winner nearby, or a seed) with PDL, triggering at each of ``late_seeds``."""
+        if family != "gemm.splitk_cluster" or not params.get("pdl"):
+            return []
+        cfg = self.config_cls(**{**params, "late": 0})
+        return [{**params, "late": t} for t in late_seeds(problem["K"] // (cfg.bk * cfg.split_k))]
 
     def build(self, problem: Problem, cfg: TrigConfig):
         import torch

@@ -47,13 +47,20 @@ class WgmmaCkTriggerGemm(WgmmaClusterKGemm):
         return seeds[0] if seeds else WgmmaTrigConfig(tile_m=8, split_k=2)
 
     def seeds(self, problem: Problem) -> list[WgmmaTrigConfig]:
-        """wgmma_ck's seeds as they are (late 0), then each with PDL triggering at its slice's second stage, at
-        its middle and at its first (``late_seeds``; s55-r3, H100: the second stage took the shipped M = 16 pick
-        of the 1536 x 7168 ops from 8.6 to 8.1 us, the first kda.o_proj's from 8.26 to 8.15)."""
-        base = [WgmmaTrigConfig(**c.params()) for c in super().seeds(problem)]
-        late = [WgmmaTrigConfig(**{**c.params(), "late": t}) for c in base if c.pdl
-                for t in late_seeds(problem["K"] // c.bk // c.split_k)]
-        return list(dict.fromkeys(c for c in base + late if self.valid(c, problem)))
+        """The parent's first three PDL seeds triggering at their slice's second stage, middle and first
+        (``late_seeds``); at late 0 they are the parent's own kernels, which the sweep measures under the parent's
+        name, and the parent's winners nearby come in through ``adopt``."""
+        out = []
+        for c in [c for c in super().seeds(problem) if c.pdl][:3]:
+            out += self.adopt("gemm.wgmma_ck", c.params(), problem)
+        return list(dict.fromkeys(c for c in (self.config_cls(**p) for p in out) if self.valid(c, problem)))
+
+    def adopt(self, family: str, params: dict, problem: Problem) -> list[dict]:
+        """A gemm.wgmma_ck config (a winner nearby, or a seed) with PDL, triggering at each of ``late_seeds``."""
+        if family != "gemm.wgmma_ck" or not params.get("pdl"):
+            return []
+        cfg = self.config_cls(**{**params, "late": 0})
+        return [{**params, "late": t} for t in late_seeds(problem["K"] // cfg.bk // cfg.split_k)]
 
     def build(self, problem: Problem, cfg: WgmmaTrigConfig):
         import torch

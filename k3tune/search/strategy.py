@@ -80,6 +80,12 @@ def known_candidates(problem: Problem, families: list[KernelFamily], settings: S
     seeds = [(f, f.default_config(problem)) for f in families]
     seeds += [(f, c) for f in families for c in f.seeds(problem)]
     for fam_name, params, *source in warm:
+        for f in families:  # a family extending the winner's with a knob: the winner with that knob set
+            for prm in f.adopt(fam_name, params, problem):
+                try:
+                    seeds.append((f, f.config_from_params(problem, prm)))
+                except CannotImplement:
+                    pass
         if fam_name in fams:
             f = fams[fam_name]
             space, base = f.cached_space(problem), f.default_config(problem).params()
