@@ -271,7 +271,8 @@ def test_splitk_cluster_sample_numerics(m, n, k):
 def test_splitk_trig_numerics(m, n, k):
     """Staged gemm.splitk_trig (splitk_cluster triggering the next launch ``late`` stages before the end of its K
     loop): every trigger point, at layouts whose slices are longer and shorter than it, each run twice."""
-    from k3tune.kernels.gemm_splitk_trig import LATE, TrigConfig
+    from k3tune.kernels.gemm_splitk_trig import TrigConfig
+    from k3tune.kernels.pdl_trigger import LATE
 
     fam = family("gemm.splitk_trig")
     p = Problem("kda.o_proj", "gemm", (("M", m), ("N", n), ("K", k)))
@@ -287,7 +288,7 @@ def test_splitk_trig_numerics(m, n, k):
 def test_wgmma_cktrig_numerics(m, n, k):
     """Staged gemm.wgmma_cktrig (wgmma_ck triggering the next launch ``late`` stages before the end of its K loop):
     every trigger point at two layouts (an uneven split of 5 among them), each run twice."""
-    from k3tune.kernels.gemm_splitk_trig import LATE
+    from k3tune.kernels.pdl_trigger import LATE
     from k3tune.kernels.gemm_wgmma_cktrig import WgmmaTrigConfig
 
     fam = family("gemm.wgmma_cktrig")

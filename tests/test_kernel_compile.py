@@ -298,11 +298,11 @@ def test_splitk_cluster_compiles(arch):
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 def test_splitk_trig_compiles(arch):
     """Staged gemm.splitk_trig: every trigger point at the 16-token and the M = 8 winner's layouts."""
-    from k3tune.kernels import gemm_splitk_trig
+    from k3tune.kernels import gemm_splitk_trig, pdl_trigger
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
-        for late in gemm_splitk_trig.LATE:
+        for late in pdl_trigger.LATE:
             for knobs in ((1, 2, 2, 16, 4, 128, 6), (1, 1, 4, 8, 8, 128, 4)):
                 assert gemm_splitk_trig.compiled(*knobs, 1, late, arch) is not None, (knobs, late)
 
@@ -311,11 +311,11 @@ def test_wgmma_cktrig_compiles():
     """Staged gemm.wgmma_cktrig (Hopper only): every trigger point at the shipped M = 16 pick's layout and an uneven
     split; the other archs refused as a declared CannotImplement."""
     from k3tune.errors import CannotImplement
-    from k3tune.kernels import gemm_wgmma_cktrig
+    from k3tune.kernels import gemm_wgmma_cktrig, pdl_trigger
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
-        for late in gemm_wgmma_cktrig.LATE:
+        for late in pdl_trigger.LATE:
             for knobs in ((1, 16, 8, 128, 4), (1, 8, 5, 64, 6)):
                 assert gemm_wgmma_cktrig.compiled(*knobs, 1, late, "sm_90a") is not None, (knobs, late)
     with pytest.raises(CannotImplement):

@@ -439,7 +439,7 @@ def test_a_neighbours_winner_is_also_tried_with_this_problems_token_tile():
 def test_a_family_extending_a_neighbours_winners_family_adopts_the_winner():
     """Staged gemm.wgmma_cktrig extends gemm.wgmma_ck with a trigger point: a wgmma_ck winner nearby is measured in
     it at each of its seeded trigger points, and not at all when it ran without PDL (there is nothing to move)."""
-    from k3tune.kernels.gemm_splitk_trig import late_seeds
+    from k3tune.kernels.pdl_trigger import late_seeds
     from k3tune.search.strategy import known_candidates
 
     fam = family("gemm.wgmma_cktrig")

@@ -25,19 +25,8 @@ from k3tune.kernels import gemm_splitk_cluster
 from k3tune.kernels.gemm_smallm import current_arch
 from k3tune.kernels.gemm_splitk_cluster import SplitKClusterGemm
 from k3tune.kernels.gemm_splitk_tc import SplitKConfig
+from k3tune.kernels.pdl_trigger import LATE, late_seeds
 from k3tune.plan.problems import Problem
-
-LATE = (0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 1024)  # 1024: at the loop's first stage (right after the wait)
-
-
-def late_seeds(ktiles: int) -> list[int]:
-    """Trigger points worth a seed for a slice of ``ktiles`` stages, as LATE values: its second stage, its middle,
-    its first (s55-r2/r3, H100: the best of the 16-token layouts on TP8's 1536 x 7168 and 7168 x 1536 ops)."""
-    def at(stage: int) -> int:  # the LATE value that fires at the latest point no later than ``stage``
-        return min((x for x in LATE if x >= ktiles - stage), default=LATE[-1])
-
-    return list(dict.fromkeys(at(s) for s in (1, ktiles // 2, 0)))
-
 
 @dataclass(frozen=True)
 class TrigConfig(SplitKConfig):
@@ -49,7 +38,8 @@ class SplitKTriggerGemm(SplitKClusterGemm):
     name = "gemm.splitk_trig"
     priority = 43
     config_cls = TrigConfig
-    depends_on = ("k3tune.kernels.gemm_common", "k3tune.kernels.gemm_splitk_tc", "k3tune.kernels.gemm_splitk_cluster")
+    depends_on = ("k3tune.kernels.gemm_common", "k3tune.kernels.gemm_splitk_tc", "k3tune.kernels.gemm_splitk_cluster",
+                  "k3tune.kernels.pdl_trigger")
 
     def space(self, problem: Problem) -> dict[str, tuple]:
         return {**super().space(problem), "late": LATE}

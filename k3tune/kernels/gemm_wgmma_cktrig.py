@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from k3tune.errors import CannotImplement
 from k3tune.kernels import gemm_wgmma_ck
 from k3tune.kernels.gemm_smallm import current_arch
-from k3tune.kernels.gemm_splitk_trig import LATE, late_seeds
 from k3tune.kernels.gemm_wgmma import WgmmaConfig
 from k3tune.kernels.gemm_wgmma_ck import SPLITS, WgmmaClusterKGemm
+from k3tune.kernels.pdl_trigger import LATE, late_seeds
 from k3tune.plan.problems import Problem
 
 
@@ -29,7 +29,7 @@ class WgmmaCkTriggerGemm(WgmmaClusterKGemm):
     priority = 45
     config_cls = WgmmaTrigConfig
     depends_on = ("k3tune.kernels.gemm_common", "k3tune.kernels.gemm_wgmma", "k3tune.kernels.gemm_wgmma_ck",
-                  "k3tune.kernels.gemm_splitk_trig")
+                  "k3tune.kernels.pdl_trigger")
 
     def space(self, problem: Problem) -> dict[str, tuple]:
         return {**super().space(problem), "late": LATE}
