@@ -22,10 +22,9 @@ import functools
 from dataclasses import dataclass
 
 from k3tune.kernels import gemm_splitk_cluster
-from k3tune.kernels.gemm_smallm import current_arch
 from k3tune.kernels.gemm_splitk_cluster import SplitKClusterGemm
 from k3tune.kernels.gemm_splitk_tc import SplitKConfig
-from k3tune.kernels.pdl_trigger import LATE, late_seeds
+from k3tune.kernels.pdl_trigger import LateTrigger
 from k3tune.plan.problems import Problem
 
 @dataclass(frozen=True)
@@ -34,62 +33,20 @@ class TrigConfig(SplitKConfig):
     # more than the slice has: at its first stage, after griddepcontrol.wait (one launch ahead at most)
 
 
-class SplitKTriggerGemm(SplitKClusterGemm):
+class SplitKTriggerGemm(LateTrigger, SplitKClusterGemm):
     name = "gemm.splitk_trig"
+    parent = "gemm.splitk_cluster"
     priority = 43
     config_cls = TrigConfig
     depends_on = ("k3tune.kernels.gemm_common", "k3tune.kernels.gemm_splitk_tc", "k3tune.kernels.gemm_splitk_cluster",
                   "k3tune.kernels.pdl_trigger")
 
-    def space(self, problem: Problem) -> dict[str, tuple]:
-        return {**super().space(problem), "late": LATE}
+    def ktiles(self, problem: Problem, params: dict) -> int:
+        return problem["K"] // (params["bk"] * params["split_k"])
 
-    def valid(self, cfg: SplitKConfig, problem: Problem) -> bool:
-        late = getattr(cfg, "late", 0)  # splitk_cluster's seeds, checked there before they are converted here
-        return late in LATE and (cfg.pdl or late == 0) and super().valid(cfg, problem)
-
-    def canonical(self, params: dict) -> dict:
-        """Without PDL nothing is triggered: the knob is ignored."""
-        return {**params, "late": 0} if not params.get("pdl") else params
-
-    def default(self, problem: Problem) -> TrigConfig:
-        seeds = self.seeds(problem)
-        return seeds[0] if seeds else TrigConfig()
-
-    def seeds(self, problem: Problem) -> list[TrigConfig]:
-        """The parent's first three PDL seeds triggering at their slice's second stage, middle and first
-        (``late_seeds``); at late 0 they are the parent's own kernels, which the sweep measures under the parent's
-        name, and the parent's winners nearby come in through ``adopt``."""
-        out = []
-        for c in [c for c in super().seeds(problem) if c.pdl][:3]:
-            out += self.adopt("gemm.splitk_cluster", c.params(), problem)
-        return list(dict.fromkeys(c for c in (self.config_cls(**p) for p in out) if self.valid(c, problem)))
-
-    def adopt(self, family: str, params: dict, problem: Problem) -> list[dict]:
-        """A gemm.splitk_cluster config (a winner nearby, or a seed) with PDL, triggering at each of ``late_seeds``."""
-        if family != "gemm.splitk_cluster" or not params.get("pdl"):
-            return []
-        cfg = self.config_cls(**{**params, "late": 0})
-        return [{**params, "late": t} for t in late_seeds(problem["K"] // (cfg.bk * cfg.split_k))]
-
-    def build(self, problem: Problem, cfg: TrigConfig):
-        import torch
-        from cuda.bindings import driver as cuda
-        from cutlass.cute.runtime import from_dlpack
-
-        fn = compiled(cfg.m_tiles, cfg.warps_n, cfg.warps_k, cfg.tile_m, cfg.split_k, cfg.bk, cfg.stages, cfg.pdl,
-                      cfg.late, current_arch())
-
-        def run(inputs: dict):
-            x = (from_dlpack(inputs["x"], assumed_align=16).mark_compact_shape_dynamic(mode=0)
-                 .mark_compact_shape_dynamic(mode=1, divisibility=cfg.bk))
-            w = (from_dlpack(inputs["w"], assumed_align=16).mark_compact_shape_dynamic(mode=0)
-                 .mark_compact_shape_dynamic(mode=1, divisibility=cfg.bk))
-            y = from_dlpack(inputs["out"], assumed_align=16).mark_layout_dynamic()
-            fn(x, w, y, cuda.CUstream(torch.cuda.current_stream().cuda_stream))
-            return inputs["out"]
-
-        return run
+    def compile(self, cfg: TrigConfig, arch: str):
+        return compiled(cfg.m_tiles, cfg.warps_n, cfg.warps_k, cfg.tile_m, cfg.split_k, cfg.bk, cfg.stages, cfg.pdl,
+                        cfg.late, arch)
 
 
 @functools.cache

@@ -12,10 +12,9 @@ from dataclasses import dataclass
 
 from k3tune.errors import CannotImplement
 from k3tune.kernels import gemm_wgmma_ck
-from k3tune.kernels.gemm_smallm import current_arch
 from k3tune.kernels.gemm_wgmma import WgmmaConfig
 from k3tune.kernels.gemm_wgmma_ck import SPLITS, WgmmaClusterKGemm
-from k3tune.kernels.pdl_trigger import LATE, late_seeds
+from k3tune.kernels.pdl_trigger import LateTrigger
 from k3tune.plan.problems import Problem
 
 
@@ -24,64 +23,19 @@ class WgmmaTrigConfig(WgmmaConfig):
     late: int = 0  # K-loop stages left when the next launch may start (with pdl): 0 at the start (wgmma_ck's)
 
 
-class WgmmaCkTriggerGemm(WgmmaClusterKGemm):
+class WgmmaCkTriggerGemm(LateTrigger, WgmmaClusterKGemm):
     name = "gemm.wgmma_cktrig"
+    parent = "gemm.wgmma_ck"
     priority = 45
     config_cls = WgmmaTrigConfig
     depends_on = ("k3tune.kernels.gemm_common", "k3tune.kernels.gemm_wgmma", "k3tune.kernels.gemm_wgmma_ck",
                   "k3tune.kernels.pdl_trigger")
 
-    def space(self, problem: Problem) -> dict[str, tuple]:
-        return {**super().space(problem), "late": LATE}
+    def ktiles(self, problem: Problem, params: dict) -> int:
+        return problem["K"] // params["bk"] // params["split_k"]  # the shorter slices of an uneven split
 
-    def valid(self, cfg: WgmmaConfig, problem: Problem) -> bool:
-        late = getattr(cfg, "late", 0)  # wgmma_ck's seeds, checked there before they are converted here
-        return late in LATE and (cfg.pdl or late == 0) and super().valid(cfg, problem)
-
-    def canonical(self, params: dict) -> dict:
-        """Without PDL nothing is triggered: the knob is ignored."""
-        return {**params, "late": 0} if not params.get("pdl") else params
-
-    def default(self, problem: Problem) -> WgmmaTrigConfig:
-        seeds = self.seeds(problem)
-        return seeds[0] if seeds else WgmmaTrigConfig(tile_m=8, split_k=2)
-
-    def seeds(self, problem: Problem) -> list[WgmmaTrigConfig]:
-        """The parent's first three PDL seeds triggering at their slice's second stage, middle and first
-        (``late_seeds``); at late 0 they are the parent's own kernels, which the sweep measures under the parent's
-        name, and the parent's winners nearby come in through ``adopt``."""
-        out = []
-        for c in [c for c in super().seeds(problem) if c.pdl][:3]:
-            out += self.adopt("gemm.wgmma_ck", c.params(), problem)
-        return list(dict.fromkeys(c for c in (self.config_cls(**p) for p in out) if self.valid(c, problem)))
-
-    def adopt(self, family: str, params: dict, problem: Problem) -> list[dict]:
-        """A gemm.wgmma_ck config (a winner nearby, or a seed) with PDL, triggering at each of ``late_seeds``."""
-        if family != "gemm.wgmma_ck" or not params.get("pdl"):
-            return []
-        cfg = self.config_cls(**{**params, "late": 0})
-        return [{**params, "late": t} for t in late_seeds(problem["K"] // cfg.bk // cfg.split_k)]
-
-    def build(self, problem: Problem, cfg: WgmmaTrigConfig):
-        import torch
-        from cuda.bindings import driver as cuda
-        from cutlass.cute.runtime import from_dlpack
-
-        arch = current_arch()
-        if not arch.startswith("sm_90"):
-            raise CannotImplement(f"{self.name} needs Hopper wgmma (sm_90a), not {arch}")
-        fn = compiled(cfg.warpgroups, cfg.tile_m, cfg.split_k, cfg.bk, cfg.stages, cfg.pdl, cfg.late, arch)
-
-        def run(inputs: dict):
-            x = (from_dlpack(inputs["x"], assumed_align=16).mark_compact_shape_dynamic(mode=0)
-                 .mark_compact_shape_dynamic(mode=1, divisibility=cfg.bk))
-            w = (from_dlpack(inputs["w"], assumed_align=16).mark_compact_shape_dynamic(mode=0)
-                 .mark_compact_shape_dynamic(mode=1, divisibility=cfg.bk))
-            y = from_dlpack(inputs["out"], assumed_align=16).mark_layout_dynamic()
-            fn(x, w, y, cuda.CUstream(torch.cuda.current_stream().cuda_stream))
-            return inputs["out"]
-
-        return run
+    def compile(self, cfg: WgmmaTrigConfig, arch: str):
+        return compiled(cfg.warpgroups, cfg.tile_m, cfg.split_k, cfg.bk, cfg.stages, cfg.pdl, cfg.late, arch)
 
 
 @functools.cache

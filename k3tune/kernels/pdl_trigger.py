@@ -11,3 +11,63 @@ def late_seeds(ktiles: int) -> list[int]:
         return min((x for x in LATE if x >= ktiles - stage), default=LATE[-1])
 
     return list(dict.fromkeys(at(s) for s in (1, ktiles // 2, 0)))
+
+
+class LateTrigger:
+    """What a family that extends a dense kernel family (``parent``, its next base class) with the ``late`` knob
+    declares: the knob in the space, ignored without PDL, seeded and adopted from the parent at ``late_seeds``, and
+    a build that launches its own ``compile(cfg, arch)`` on x, W and out. Subclasses set ``parent`` and
+    ``config_cls`` (the parent's config with ``late``) and define ``compile`` and ``ktiles`` (stages a slice)."""
+
+    parent: str
+
+    def space(self, problem) -> dict[str, tuple]:
+        return {**super().space(problem), "late": LATE}
+
+    def valid(self, cfg, problem) -> bool:
+        late = getattr(cfg, "late", 0)  # the parent's seeds are checked here before they are converted
+        return late in LATE and (cfg.pdl or late == 0) and super().valid(cfg, problem)
+
+    def canonical(self, params: dict) -> dict:
+        """Without PDL nothing is triggered: the knob is ignored."""
+        return {**params, "late": 0} if not params.get("pdl") else params
+
+    def default(self, problem):
+        """The first seed; without one, the parent's default (triggering at the start, as the parent)."""
+        seeds = self.seeds(problem)
+        return seeds[0] if seeds else self.config_cls(**super().default(problem).params())
+
+    def seeds(self, problem) -> list:
+        """The parent's first three PDL seeds triggering at their slice's second stage, middle and first
+        (``late_seeds``); at late 0 they are the parent's own kernels, which the sweep measures under the parent's
+        name, and the parent's winners nearby come in through ``adopt``."""
+        out = []
+        for c in [c for c in super().seeds(problem) if c.pdl][:3]:
+            out += self.adopt(self.parent, c.params(), problem)
+        return list(dict.fromkeys(c for c in (self.config_cls(**p) for p in out) if self.valid(c, problem)))
+
+    def adopt(self, family: str, params: dict, problem) -> list[dict]:
+        """A parent config (a winner nearby, or a seed) with PDL, triggering at each of ``late_seeds``."""
+        if family != self.parent or not params.get("pdl"):
+            return []
+        return [{**params, "late": t} for t in late_seeds(self.ktiles(problem, params))]
+
+    def build(self, problem, cfg):
+        import torch
+        from cuda.bindings import driver as cuda
+        from cutlass.cute.runtime import from_dlpack
+
+        from k3tune.kernels.gemm_smallm import current_arch
+
+        fn = self.compile(cfg, current_arch())
+
+        def run(inputs: dict):
+            x = (from_dlpack(inputs["x"], assumed_align=16).mark_compact_shape_dynamic(mode=0)
+                 .mark_compact_shape_dynamic(mode=1, divisibility=cfg.bk))
+            w = (from_dlpack(inputs["w"], assumed_align=16).mark_compact_shape_dynamic(mode=0)
+                 .mark_compact_shape_dynamic(mode=1, divisibility=cfg.bk))
+            y = from_dlpack(inputs["out"], assumed_align=16).mark_layout_dynamic()
+            fn(x, w, y, cuda.CUstream(torch.cuda.current_stream().cuda_stream))
+            return inputs["out"]
+
+        return run
