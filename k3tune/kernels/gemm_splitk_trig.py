@@ -27,6 +27,7 @@ from k3tune.kernels.gemm_splitk_tc import SplitKConfig
 from k3tune.kernels.pdl_trigger import LateTrigger
 from k3tune.plan.problems import Problem
 
+
 @dataclass(frozen=True)
 class TrigConfig(SplitKConfig):
     late: int = 0  # K-loop stages left when the next launch may start (with pdl): 0 at the start (splitk_cluster's),

@@ -48,8 +48,8 @@ class LateTrigger:
 
     def adopt(self, family: str, params: dict, problem) -> list[dict]:
         """A parent config (a winner nearby, or a seed) with PDL, triggering at each of ``late_seeds``."""
-        if family != self.parent or not params.get("pdl"):
-            return []
+        if family != self.parent or not params.get("pdl") or not {"bk", "split_k"} <= params.keys():
+            return []  # (or a winner stored before the parent had those knobs)
         return [{**params, "late": t} for t in late_seeds(self.ktiles(problem, params))]
 
     def build(self, problem, cfg):
