@@ -322,6 +322,29 @@ def test_wgmma_cktrig_compiles():
         gemm_wgmma_cktrig.compiled(1, 16, 8, 128, 4, 1, 8, "sm_100a")
 
 
+@pytest.mark.parametrize("module,knobs", [("gemm_splitk_trig", (1, 2, 2, 16, 4, 128, 6, 1)),
+                                          ("gemm_wgmma_cktrig", (1, 16, 8, 128, 4, 1))])
+@pytest.mark.parametrize("late", [0, 3])
+def test_trig_kernels_trigger_where_late_says(tmp_path, module, knobs, late):
+    """In the PTX of a fresh process (dump settings are read at start-up; the disk cache off): with late = 0 the
+    next launch is triggered before ``griddepcontrol.wait``, as the parent kernels do; with late > 0 after it, in
+    the K loop (a branch guards it)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "CUTE_DSL_KEEP": "ptx", "CUTE_DSL_DUMP_DIR": str(tmp_path), "K3TUNE_KERNEL_CACHE": "off",
+           "CUTE_DSL_ARCH": "sm_90a"}
+    code = (f"import warnings; warnings.simplefilter('ignore')\nfrom k3tune.kernels import {module}\n"
+            f"{module}.compiled(*{knobs!r}, {late}, 'sm_90a')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    (ptx,) = [f.read_text() for f in tmp_path.glob("*.ptx")]
+    trigger, wait = ptx.index("griddepcontrol.launch_dependents"), ptx.index("griddepcontrol.wait")
+    assert ptx.count("griddepcontrol.launch_dependents") == 1
+    assert (trigger > wait) == (late > 0)
+
+
 def test_every_cute_kernel_compiles_for_gb300s_own_arch():
     """GB300 (Blackwell Ultra, compute capability 10.3) is the target, and a sweep there compiles for sm_103a (the
     GPU's own arch: k3tune.kernels.gemm_smallm.current_arch), not the sm_100a the tests above use. One sample of every
