@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from k3tune.kernels import gemm_splitk_cluster
 from k3tune.kernels.gemm_splitk_cluster import SplitKClusterGemm
 from k3tune.kernels.gemm_splitk_tc import SplitKConfig
-from k3tune.kernels.pdl_trigger import LateTrigger
+from k3tune.kernels.pdl_trigger import LateTrigger, compile_dense
 from k3tune.plan.problems import Problem
 
 
@@ -54,20 +54,9 @@ class SplitKTriggerGemm(LateTrigger, SplitKClusterGemm):
 def compiled(m_tiles: int, warps_n: int, warps_k: int, tile_m: int, split: int, bk: int, stages: int, pdl: int,
              late: int, arch: str):
     """Compile once per knob set and arch; M, N and K are dynamic. Never call inside a capture."""
-    import os
-
-    import cutlass.cute as cute
-    from cutlass import BFloat16
-    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
-
-    os.environ["CUTE_DSL_ARCH"] = arch  # some checks read the environment, not the option
-    m, n, k = cute.sym_int(), cute.sym_int(), cute.sym_int(divisibility=bk)
-    x = make_fake_compact_tensor(BFloat16, (m, k), stride_order=(1, 0), assumed_align=16)
-    w = make_fake_compact_tensor(BFloat16, (n, k), stride_order=(1, 0), assumed_align=16)
-    y = make_fake_compact_tensor(BFloat16, (m, n), stride_order=(1, 0), assumed_align=16)
     kernel = _kernel_class()(m_tiles, warps_n, warps_k, tile_m, split, bk, stages, 0, pdl)
     kernel.late = late
-    return cute.compile(kernel, x, w, y, make_fake_stream(), options=f"--gpu-arch {arch}")
+    return compile_dense(kernel, bk, arch)
 
 
 @functools.cache

@@ -14,7 +14,7 @@ from k3tune.errors import CannotImplement
 from k3tune.kernels import gemm_wgmma_ck
 from k3tune.kernels.gemm_wgmma import WgmmaConfig
 from k3tune.kernels.gemm_wgmma_ck import SPLITS, WgmmaClusterKGemm
-from k3tune.kernels.pdl_trigger import LateTrigger
+from k3tune.kernels.pdl_trigger import LateTrigger, compile_dense
 from k3tune.plan.problems import Problem
 
 
@@ -41,24 +41,13 @@ class WgmmaCkTriggerGemm(LateTrigger, WgmmaClusterKGemm):
 @functools.cache
 def compiled(warpgroups: int, tile_m: int, split: int, bk: int, stages: int, pdl: int, late: int, arch: str):
     """Compile once per knob set and arch; M, N and K are dynamic. Never call inside a capture."""
-    import os
-
-    import cutlass.cute as cute
-    from cutlass import BFloat16
-    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
-
     if not arch.startswith("sm_90"):
         raise CannotImplement(f"gemm.wgmma_cktrig needs Hopper wgmma (sm_90a), not {arch}")
     if split not in SPLITS:
         raise CannotImplement(f"gemm.wgmma_cktrig: split {split} is not a portable cluster along K {SPLITS}")
-    os.environ["CUTE_DSL_ARCH"] = arch  # some checks read the environment, not the option
-    m, n, k = cute.sym_int(), cute.sym_int(), cute.sym_int(divisibility=bk)
-    x = make_fake_compact_tensor(BFloat16, (m, k), stride_order=(1, 0), assumed_align=16)
-    w = make_fake_compact_tensor(BFloat16, (n, k), stride_order=(1, 0), assumed_align=16)
-    y = make_fake_compact_tensor(BFloat16, (m, n), stride_order=(1, 0), assumed_align=16)
     kernel = _kernel_class()(warpgroups, tile_m, split, bk, stages, pdl)
     kernel.late = late
-    return cute.compile(kernel, x, w, y, make_fake_stream(), options=f"--gpu-arch {arch}")
+    return compile_dense(kernel, bk, arch)
 
 
 @functools.cache

@@ -71,3 +71,20 @@ class LateTrigger:
             return inputs["out"]
 
         return run
+
+
+def compile_dense(kernel, bk: int, arch: str):
+    """``kernel(x, w, y, stream)`` compiled for ``arch`` with M, N and K dynamic (K a multiple of ``bk``): what
+    ``LateTrigger.build`` launches. Never call inside a capture."""
+    import os
+
+    import cutlass.cute as cute
+    from cutlass import BFloat16
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+
+    os.environ["CUTE_DSL_ARCH"] = arch  # some checks read the environment, not the option
+    m, n, k = cute.sym_int(), cute.sym_int(), cute.sym_int(divisibility=bk)
+    x = make_fake_compact_tensor(BFloat16, (m, k), stride_order=(1, 0), assumed_align=16)
+    w = make_fake_compact_tensor(BFloat16, (n, k), stride_order=(1, 0), assumed_align=16)
+    y = make_fake_compact_tensor(BFloat16, (m, n), stride_order=(1, 0), assumed_align=16)
+    return cute.compile(kernel, x, w, y, make_fake_stream(), options=f"--gpu-arch {arch}")
