@@ -22,7 +22,7 @@ for step in "$@"; do
              --ops mla.q_a,kda.o_proj --tps 8 --ms 16 \
              --grid '{"tile_m":[16],"split_k":[2,4,7,8],"bk":[128],"stages":[3,4,5,6],"pdl":[1],"late":[2,3,4,5,6]}') \
              > $OUT/wide.log 2>&1; echo "rc $?"; grep BEST $OUT/wide.log ;;
-    m16) export K3TUNE_EXTRA_FAMILIES=gemm.wgmma_cktrig,gemm.splitk_trig
+    m16) export K3TUNE_EXTRA_FAMILIES=gemm.wgmma_cktrig  # s56-r1…r4 also offered gemm.splitk_trig (removed after r4)
          cp $DB /tmp/s.sqlite
          timeout ${SWEEP_S:-200} python3 bench/device_sweep.py --spec ${SPEC:-bench/s56_m16.toml} --db /tmp/s.sqlite --gpus 1 \
            > $OUT/sweep.log 2>&1; echo "sweep rc $?"; tail -3 $OUT/sweep.log

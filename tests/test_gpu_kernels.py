@@ -268,23 +268,6 @@ def test_splitk_cluster_sample_numerics(m, n, k):
 
 
 @pytest.mark.parametrize("m,n,k", [(3, 280, 7168), (17, 7168, 2048), (16, 1536, 7168)])
-def test_splitk_trig_numerics(m, n, k):
-    """Staged gemm.splitk_trig (splitk_cluster triggering the next launch ``late`` stages before the end of its K
-    loop): every trigger point, at layouts whose slices are longer and shorter than it, each run twice."""
-    from k3tune.kernels.gemm_splitk_trig import TrigConfig
-    from k3tune.kernels.pdl_trigger import LATE
-
-    fam = family("gemm.splitk_trig")
-    p = Problem("kda.o_proj", "gemm", (("M", m), ("N", n), ("K", k)))
-    cfgs = [TrigConfig(m_tiles=1, warps_n=wn, warps_k=wk, tile_m=tm, split_k=s, bk=128, stages=st, pdl=1, late=late)
-            for late in LATE for wn, wk, tm, s, st in ((1, 4, 8, 8, 4), (2, 2, 16, 4, 6))]
-    cfgs = [c for c in cfgs if c.tile_m in fam.space(p)["tile_m"] and fam.valid(c, p)]
-    for i, cfg in enumerate(cfgs):
-        _twice(fam, p, cfg, 5000 + i)
-    assert len(cfgs) >= len(LATE), len(cfgs)  # at M = 3 no 16-token tile
-
-
-@pytest.mark.parametrize("m,n,k", [(3, 280, 7168), (17, 7168, 2048), (16, 1536, 7168)])
 def test_wgmma_cktrig_numerics(m, n, k):
     """Staged gemm.wgmma_cktrig (wgmma_ck triggering the next launch ``late`` stages before the end of its K loop):
     every trigger point at two layouts (an uneven split of 5 among them), each run twice."""
@@ -308,8 +291,6 @@ def test_wgmma_cktrig_numerics(m, n, k):
                                         ("gemm.wgmma", {"split_k": 1}), ("gemm.wgmma", {"split_k": 4}),
                                         ("gemm.stream", {"rows": 8, "warps": 4, "mma": 1}),
                                         ("gemm.splitk_cluster", {"split_k": 4}),
-                                        ("gemm.splitk_trig", {"split_k": 4, "late": 2}),
-                                        ("gemm.splitk_trig", {"split_k": 8, "late": 8}),
                                         ("gemm.wgmma_ck", {"split_k": 3, "bk": 128}),
                                         ("gemm.wgmma_ck", {"split_k": 8, "bk": 64}),
                                         ("gemm.wgmma_cktrig", {"split_k": 5, "bk": 64, "late": 4})])

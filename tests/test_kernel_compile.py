@@ -295,18 +295,6 @@ def test_splitk_cluster_compiles(arch):
             assert gemm_splitk_cluster.compiled(*knobs[:7], int(knobs[7]), arch) is not None, knobs
 
 
-@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
-def test_splitk_trig_compiles(arch):
-    """Staged gemm.splitk_trig: every trigger point at the 16-token and the M = 8 winner's layouts."""
-    from k3tune.kernels import gemm_splitk_trig, pdl_trigger
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        for late in pdl_trigger.LATE:
-            for knobs in ((1, 2, 2, 16, 4, 128, 6), (1, 1, 4, 8, 8, 128, 4)):
-                assert gemm_splitk_trig.compiled(*knobs, 1, late, arch) is not None, (knobs, late)
-
-
 def test_wgmma_cktrig_compiles():
     """Staged gemm.wgmma_cktrig (Hopper only): every trigger point at the shipped M = 16 pick's layout and an uneven
     split; the other archs refused as a declared CannotImplement."""
@@ -322,10 +310,8 @@ def test_wgmma_cktrig_compiles():
         gemm_wgmma_cktrig.compiled(1, 16, 8, 128, 4, 1, 8, "sm_100a")
 
 
-@pytest.mark.parametrize("module,knobs", [("gemm_splitk_trig", (1, 2, 2, 16, 4, 128, 6, 1)),
-                                          ("gemm_wgmma_cktrig", (1, 16, 8, 128, 4, 1))])
 @pytest.mark.parametrize("late", [0, 3])
-def test_trig_kernels_trigger_where_late_says(tmp_path, module, knobs, late):
+def test_trig_kernel_triggers_where_late_says(tmp_path, late):
     """In the PTX of a fresh process (dump settings are read at start-up; the disk cache off): with late = 0 the
     next launch is triggered before ``griddepcontrol.wait``, as the parent kernels do; with late > 0 after it, in
     the K loop (a branch guards it)."""
@@ -335,8 +321,8 @@ def test_trig_kernels_trigger_where_late_says(tmp_path, module, knobs, late):
 
     env = {**os.environ, "CUTE_DSL_KEEP": "ptx", "CUTE_DSL_DUMP_DIR": str(tmp_path), "K3TUNE_KERNEL_CACHE": "off",
            "CUTE_DSL_ARCH": "sm_90a"}
-    code = (f"import warnings; warnings.simplefilter('ignore')\nfrom k3tune.kernels import {module}\n"
-            f"{module}.compiled(*{knobs!r}, {late}, 'sm_90a')")
+    code = ("import warnings; warnings.simplefilter('ignore')\nfrom k3tune.kernels import gemm_wgmma_cktrig\n"
+            f"gemm_wgmma_cktrig.compiled(1, 16, 8, 128, 4, 1, {late}, 'sm_90a')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     (ptx,) = [f.read_text() for f in tmp_path.glob("*.ptx")]

@@ -14,7 +14,6 @@ from k3tune.kernels.gemm_cublas import CublasGemm
 from k3tune.kernels.gemm_smallm import SmallMGemm
 from k3tune.kernels.gemm_splitk_cluster import SplitKClusterGemm
 from k3tune.kernels.gemm_splitk_tc import SplitKTensorCoreGemm
-from k3tune.kernels.gemm_splitk_trig import SplitKTriggerGemm
 from k3tune.kernels.gemm_stream import StreamGemm
 from k3tune.kernels.gemm_wgmma import WgmmaGemm
 from k3tune.kernels.gemm_wgmma_ck import WgmmaClusterKGemm
@@ -43,7 +42,7 @@ FAMILIES: dict[str, KernelFamily] = {
 # session 14's; gemm.wgmma_ck until session 15's.)
 # Session 30's splitk_tma, splitk_ldsm, splitk_xreg and session 54's splitk_alias (87ba501), splitk_pf (b07cf86),
 # wgmma_ckr (7c63ab5) and splitk_xring (cb67ed7) were staged, refuted on a GPU and removed.
-STAGED: dict[str, KernelFamily] = {f.name: f for f in [SplitKTriggerGemm(), WgmmaCkTriggerGemm()]}
+STAGED: dict[str, KernelFamily] = {f.name: f for f in [WgmmaCkTriggerGemm()]}
 
 
 _EXTRA_ERROR: list[str] = []  # a bad K3TUNE_EXTRA_FAMILIES, raised on first use (an import-time raise is a traceback)

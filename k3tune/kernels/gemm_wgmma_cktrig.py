@@ -1,10 +1,23 @@
 """gemm.wgmma_ck that lets the next launch start late in its K loop instead of at its start (staged, session 55).
 
-gemm_splitk_trig's change (its docstring says why) on the shipped M = 16 pick: each CTA triggers the next launch
-(``griddepcontrol.launch_dependents``) when ``late`` stages of its K loop are left (0: at the start, as wgmma_ck;
-more than the slice has: at its first stage, after ``griddepcontrol.wait``). The kernel is wgmma_ck's, copied with
-the trigger moved, since an edit to that keyed module would make its shipped winners stale. Hopper only. GPU
-numerics: ``pytest -m gpu tests/test_gpu_kernels.py -k wgmma_cktrig``.
+Why: bench/kline.py (s54, H100) puts the M = 16 loss in each launch's fixed part (~1 us for the 16-token layouts,
+0.6 for the M = 8 winner), and bench/timeline.py shows why the M = 8 winner's is small: its 768 short CTAs end over
+3.3 us and the next launch's CTAs, taking each freed slot, issue their first W stages while the launch before
+drains, so HBM stays busy across the boundary. wgmma_ck triggers the next launch
+(``griddepcontrol.launch_dependents``) at its start. With few long CTAs and free slots for all of the next launch's,
+that launch's CTAs start at once, load their first W stages early, and wait idle with them landed; when the launch
+before completes there is nothing in flight until they have read x and refilled the ring. Here each CTA triggers
+when ``late`` stages of its K loop are left (0: at the start, as wgmma_ck; more than the slice has: at its first
+stage, after ``griddepcontrol.wait``), so the next launch's first W stages are requested while this one drains its
+ring, sums the cluster and stores, and are still streaming when it completes.
+
+Measured on the H100 (the sweep's picks against the shipped table, one call each): M = 16 0.855 -> 0.896 of the
+roofline at the floor >= 5 us (s56-r1), M = 32 and 64 +2.2% geomean, up to 13% a problem (s56-r3). The same
+trigger on splitk_cluster (gemm.splitk_trig, s55) tied the M <= 8 picks (s56-r4), whose short CTAs already end
+staggered, and was removed.
+
+The kernel is wgmma_ck's, copied with the trigger moved, since an edit to that keyed module would make its shipped
+winners stale. Hopper only. GPU numerics: ``pytest -m gpu tests/test_gpu_kernels.py -k wgmma_cktrig``.
 """
 
 import functools

@@ -1,5 +1,5 @@
-"""Where a programmatic dependent launch lets the next launch start: the trigger points the staged ``*_trig``
-families search (gemm_splitk_trig says why), shared by them."""
+"""Where a programmatic dependent launch lets the next launch start: the trigger points the staged
+gemm.wgmma_cktrig searches (its docstring says why), and what a family extending a dense family with them declares."""
 
 LATE = (0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 1024)  # 1024: at the loop's first stage (right after the wait)
 
