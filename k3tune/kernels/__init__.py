@@ -41,7 +41,8 @@ FAMILIES: dict[str, KernelFamily] = {
 # staged so until its dense re-sweep shipped, session 12; gemm.stream until session 13's; gemm.splitk_cluster until
 # session 14's; gemm.wgmma_ck until session 15's.)
 # Session 30's splitk_tma, splitk_ldsm, splitk_xreg and session 54's splitk_alias (87ba501), splitk_pf (b07cf86),
-# wgmma_ckr (7c63ab5) and splitk_xring (cb67ed7) were staged, refuted on a GPU and removed.
+# wgmma_ckr (7c63ab5), splitk_xring (cb67ed7) and session 55's splitk_trig (aabc50e) were staged, refuted on a GPU
+# and removed.
 STAGED: dict[str, KernelFamily] = {f.name: f for f in [WgmmaCkTriggerGemm()]}
 
 
