@@ -195,9 +195,11 @@ def staged_registry(monkeypatch):
 
 def test_staged_family_is_buildable_by_name_but_keys_nothing_until_named(staged_registry, monkeypatch):
     """A staged family has GPU code but the shipped winners of its ops were tuned without it: it must not re-key
-    them (op_digest) nor be offered to a sweep unless K3TUNE_EXTRA_FAMILIES names it."""
+    them (op_digest) nor be offered to a sweep unless K3TUNE_EXTRA_FAMILIES names it. Named, it keys them as it
+    will once moved to FAMILIES, so a table re-swept under the variable is current when the family lands."""
     k = staged_registry
     p = problems.Problem("kda.o_proj", "gemm", (("M", 32), ("N", 7168), ("K", 1536)))
+    shipped = dict(k.FAMILIES)
     plain = k.op_digest("kda.o_proj", "gpu")
     assert k.family("gemm.staged_test") is k.STAGED["gemm.staged_test"]
     assert "gemm.staged_test" not in [f.name for f in k.families_for(p, "gpu")]
@@ -206,7 +208,13 @@ def test_staged_family_is_buildable_by_name_but_keys_nothing_until_named(staged_
     for f in (k.op_digest, k._candidates):
         f.cache_clear()
     assert "gemm.staged_test" in [f.name for f in k.families_for(p, "gpu")]
-    assert k.op_digest("kda.o_proj", "gpu") != plain
+    named = k.op_digest("kda.o_proj", "gpu")
+    assert named != plain
+    monkeypatch.delenv("K3TUNE_EXTRA_FAMILIES")
+    monkeypatch.setattr(k, "FAMILIES", {**shipped, "gemm.staged_test": k.STAGED["gemm.staged_test"]})  # landed
+    for f in (k.op_digest, k._candidates):
+        f.cache_clear()
+    assert k.op_digest("kda.o_proj", "gpu") == named
 
 
 def test_block_key_covers_the_dense_kernels_it_runs(staged_registry):
