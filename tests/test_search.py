@@ -447,9 +447,13 @@ def test_a_family_extending_a_neighbours_winners_family_adopts_the_winner():
     won = {"warpgroups": 1, "tile_m": 16, "split_k": 8, "bk": 128, "stages": 4, "pdl": 1}
     settings = spec.load("smoke").search
     keys = {c.key for c in known_candidates(p, [fam], settings, [("gemm.wgmma_ck", won, p)])}
-    assert late_seeds(7) == [6, 4, 8]  # 7 stages a slice: the second, the middle, the first
-    assert {params_key({**won, "late": t}) for t in (6, 4, 8)} <= keys
+    assert late_seeds(7) == [6, 4, 1024]  # 7 stages a slice: the second, the middle, the first
+    assert {params_key({**won, "late": t}) for t in (6, 4, 1024)} <= keys
     assert fam.adopt("gemm.wgmma_ck", {**won, "pdl": 0}, p) == [] and fam.adopt("gemm.wgmma", won, p) == []
+    # past a slice's 7 stages every trigger point is its first: one name for that kernel
+    assert [t for t in (0, 6, 7, 8, 12, 1024) if fam.valid(fam.config_cls(**won, late=t), p)] == [0, 6, 1024]
+    seeds = fam.seeds(p)
+    assert seeds and all(c.late < fam.ktiles(p, c.params()) or c.late == 1024 for c in seeds)
 
 
 def test_winners_agree_counts_every_shared_problem_once(tmp_path):

@@ -1,14 +1,16 @@
 """Where a programmatic dependent launch lets the next launch start: the trigger points the staged
 gemm.wgmma_cktrig searches (its docstring says why), and what a family extending a dense family with them declares."""
 
-LATE = (0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 1024)  # 1024: at the loop's first stage (right after the wait)
+LATE = (0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 1024)
+FIRST = LATE[-1]  # at the loop's first stage (right after the wait): what every late >= a slice's stages does
 
 
 def late_seeds(ktiles: int) -> list[int]:
     """Trigger points worth a seed for a slice of ``ktiles`` stages, as LATE values: its second stage, its middle,
     its first (s55-r2/r3, H100: the best of the 16-token layouts on TP8's 1536 x 7168 and 7168 x 1536 ops)."""
     def at(stage: int) -> int:  # the LATE value that fires at the latest point no later than ``stage``
-        return min((x for x in LATE if x >= ktiles - stage), default=LATE[-1])
+        x = min((x for x in LATE if x >= ktiles - stage), default=FIRST)
+        return FIRST if x >= ktiles else x
 
     return list(dict.fromkeys(at(s) for s in (1, ktiles // 2, 0)))
 
@@ -25,8 +27,11 @@ class LateTrigger:
         return {**super().space(problem), "late": LATE}
 
     def valid(self, cfg, problem) -> bool:
+        """Every late value at or past a slice's stages fires at its first stage: only FIRST stands for them, so
+        a search does not measure one kernel under several names (s56-r3 picked late 10 for 7-stage slices)."""
         late = getattr(cfg, "late", 0)  # the parent's seeds are checked here before they are converted
-        return late in LATE and (cfg.pdl or late == 0) and super().valid(cfg, problem)
+        return (late in LATE and (cfg.pdl or late == 0) and super().valid(cfg, problem)
+                and (late < self.ktiles(problem, cfg.params()) or late == FIRST))
 
     def canonical(self, params: dict) -> dict:
         """Without PDL nothing is triggered: the knob is ignored."""
