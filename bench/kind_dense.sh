@@ -5,6 +5,8 @@
 # bench/gemm.py on that table in BENCH_S seconds (BENCH_S=0: none; BENCH_ARGS, e.g. "--ms 1,2,4,8,16,32,64
 # --inductor 1,2,4,8,16,32,64").
 # Resumable: START=<an earlier call's sweep.sqlite.xz, copied into the tree> goes on from its trials.
+# Re-sweeping a kind's own table (a landing: K3TUNE_EXTRA_FAMILIES=<staged family> in the environment):
+# BASE=tuning_db/<kind>.sqlite WARM=0 starts from that table, whose winners (stale under the new key) come first.
 # Usage (device tool, carry [".carry"]): SWEEP_S=420 BENCH_S=0 bash bench/kind_dense.sh
 set -uo pipefail
 source .carry/cutedsl/unpack.sh || exit 1
@@ -13,9 +15,10 @@ kind=$(python3 -c "import torch; from k3tune.plan.hardware import spec_for_devic
 s = f(torch.cuda.get_device_name()); print(s.key if s else '')")
 [ -n "$kind" ] && [ "$kind" != h200 ] || { echo "kind_dense: for a GPU kind with no shipped dense table ($kind)"; exit 1; }
 db=/tmp/$kind-sweep.sqlite
-if [ -n "${START:-}" ]; then xz -dc "$START" > $db || exit 1; else cp tuning_db/h200.sqlite $db; fi
+if [ -n "${START:-}" ]; then xz -dc "$START" > $db || exit 1; else cp ${BASE:-tuning_db/h200.sqlite} $db; fi
+warm=(--warm-from H200); [ "${WARM:-1}" = 0 ] && warm=()
 timeout ${SWEEP_S:-420} python3 bench/device_sweep.py --spec configs/sweep_h200_dense.toml --db $db --gpus 1 \
-  --warm-from H200 > $OUT/sweep.log 2>&1
+  "${warm[@]}" > $OUT/sweep.log 2>&1
 echo "sweep rc $?"; tail -22 $OUT/sweep.log
 xz -T0 -c $db > $OUT/sweep.sqlite.xz  # every trial: the next call's START
 python3 -m k3tune db export $db $OUT/$kind.sqlite --hardware ${kind^^}; echo "export rc $?"
