@@ -140,6 +140,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--db", default="tuning_db/h200.sqlite")
     ap.add_argument("--ms", default="1,2,4,8,16,32,64,128,256,512")
+    ap.add_argument("--tps", default="8,16", help="TP sizes (a table swept for one of them: s56-r4)")
     ap.add_argument("--inductor", default="", help="M values at which to also time Inductor's pick (slow)")
     ap.add_argument("--samples", type=int, default=15, help="replays per variant, split among the rounds")
     ap.add_argument("--rounds", type=int, default=3, help="independent input allocations per variant")
@@ -161,6 +162,9 @@ def main() -> None:
                          indent=2))
         return
     ms = [int(x) for x in args.ms.split(",")]
+    tps = [int(x) for x in args.tps.split(",")]
+    if not set(tps) <= {8, 16}:
+        raise SystemExit(f"--tps: {args.tps}: the dense tables cover TP 8 and 16")
     ind_ms = {int(x) for x in args.inductor.split(",") if x}
     sp = specs.load()
     model = models.load()
@@ -170,7 +174,7 @@ def main() -> None:
     print(f"# {dev}, copy bandwidth {bw / 1e12:.2f} TB/s, db {args.db}, table {sel.hash}")
     rows, seen = [], set()
     cublas = family("gemm.cublas")
-    for tp in (8, 16):
+    for tp in tps:
         for op in DENSE_OPS:
             for m in ms:
                 # tokens per step m: batch m (m <= 64), else batch 64 with draft m/64 - 1
