@@ -16,8 +16,13 @@ for step in "$@"; do
              --out $OUT/ind-b.json > $OUT/ind-b.log 2>&1; echo "rc $?"; tail -8 $OUT/ind-b.log ;;
     probe) (cd bench && timeout 150 python3 probe_gemm.py --family gemm.wgmma_cktrig --compile-procs 14 \
              --ops mla.q_a,mla.gate,moe.shared_w13,kda.o_proj,mla.o_proj --tps 8 --ms 16 \
-             --grid '{"tile_m":[16],"split_k":[2,4,8],"bk":[128],"stages":[4,6],"pdl":[1],"late":[0,2,3,4,5,6,1024]}') \
-             > $OUT/probe.log 2>&1; echo "rc $?"; grep BEST $OUT/probe.log ;;
+             --grid '{"tile_m":[16],"split_k":[2,4,8],"bk":[128],"stages":[4,6],"pdl":[1],"late":[2,3,4,5,6,1024]}') \
+             > $OUT/probe.log 2>&1; echo "rc $?"; grep BEST $OUT/probe.log
+           # the same layouts triggering at the start: wgmma_ck's kernels (late 0 is not a wgmma_cktrig config)
+           (cd bench && timeout 100 python3 probe_gemm.py --family gemm.wgmma_ck --compile-procs 14 \
+             --ops mla.q_a,mla.gate,moe.shared_w13,kda.o_proj,mla.o_proj --tps 8 --ms 16 \
+             --grid '{"tile_m":[16],"split_k":[2,4,8],"bk":[128],"stages":[4,6],"pdl":[1]}') \
+             > $OUT/probe-ck.log 2>&1; echo "rc $?"; grep BEST $OUT/probe-ck.log ;;
     wide) (cd bench && timeout 200 python3 probe_gemm.py --family gemm.wgmma_cktrig --compile-procs 14 \
              --ops mla.q_a,kda.o_proj --tps 8 --ms 16 \
              --grid '{"tile_m":[16],"split_k":[2,4,7,8],"bk":[128],"stages":[3,4,5,6],"pdl":[1],"late":[2,3,4,5,6]}') \

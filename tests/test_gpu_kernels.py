@@ -281,7 +281,7 @@ def test_wgmma_cktrig_numerics(m, n, k):
     cfgs = [c for c in cfgs if fam.valid(c, p)]  # the trigger points inside each layout's slices, and its first
     for i, cfg in enumerate(cfgs):
         _twice(fam, p, cfg, 6000 + i)
-    assert {0, 1, LATE[-1]} <= {c.late for c in cfgs} and len(cfgs) >= 7, len(cfgs)
+    assert {1, LATE[-1]} <= {c.late for c in cfgs} and len(cfgs) >= 5, len(cfgs)
 
 
 @pytest.mark.parametrize("name,knobs", [("gemm.splitk_tc", {"split_k": 1, "reduce": 0}),

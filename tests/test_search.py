@@ -450,8 +450,9 @@ def test_a_family_extending_a_neighbours_winners_family_adopts_the_winner():
     assert late_seeds(7) == [6, 4, 1024]  # 7 stages a slice: the second, the middle, the first
     assert {params_key({**won, "late": t}) for t in (6, 4, 1024)} <= keys
     assert fam.adopt("gemm.wgmma_ck", {**won, "pdl": 0}, p) == [] and fam.adopt("gemm.wgmma", won, p) == []
-    # past a slice's 7 stages every trigger point is its first: one name for that kernel
-    assert [t for t in (0, 6, 7, 8, 12, 1024) if fam.valid(fam.config_cls(**won, late=t), p)] == [0, 6, 1024]
+    # one name for each kernel: late 0 is wgmma_ck's, and past a slice's 7 stages every trigger point is its first
+    assert [t for t in (0, 6, 7, 8, 12, 1024) if fam.valid(fam.config_cls(**won, late=t), p)] == [6, 1024]
+    assert fam.valid(fam.config_cls(**{**won, "pdl": 0}, late=0), p)  # the bench's PDL-off twin
     seeds = fam.seeds(p)
     assert seeds and all(c.late < fam.ktiles(p, c.params()) or c.late == 1024 for c in seeds)
 

@@ -33,7 +33,8 @@ from k3tune.plan.problems import Problem
 
 @dataclass(frozen=True)
 class WgmmaTrigConfig(WgmmaConfig):
-    late: int = 0  # K-loop stages left when the next launch may start (with pdl): 0 at the start (wgmma_ck's)
+    late: int = 0  # K-loop stages left when the next launch may start (with pdl; 0 without): 0 would be at the start,
+    # wgmma_ck's kernel, searched under that name
 
 
 class WgmmaCkTriggerGemm(LateTrigger, WgmmaClusterKGemm):

@@ -27,10 +27,13 @@ class LateTrigger:
         return {**super().space(problem), "late": LATE}
 
     def valid(self, cfg, problem) -> bool:
-        """Every late value at or past a slice's stages fires at its first stage: only FIRST stands for them, so
-        a search does not measure one kernel under several names (s56-r3 picked late 10 for 7-stage slices)."""
-        late = getattr(cfg, "late", 0)  # the parent's seeds are checked here before they are converted
-        return (late in LATE and (cfg.pdl or late == 0) and super().valid(cfg, problem)
+        """One name for each kernel a search measures: late 0 with PDL is the parent's kernel (measured under the
+        parent's name), and every late value at or past a slice's stages fires at its first stage, so only FIRST
+        stands for them (s56-r3 picked late 10 for 7-stage slices). Without PDL the knob is 0 (the bench's twin)."""
+        if not hasattr(cfg, "late"):  # the parent's seeds are checked here before they are converted
+            return super().valid(cfg, problem)
+        late = cfg.late
+        return (late in LATE and (late > 0 if cfg.pdl else late == 0) and super().valid(cfg, problem)
                 and (late < self.ktiles(problem, cfg.params()) or late == FIRST))
 
     def canonical(self, params: dict) -> dict:
@@ -38,9 +41,13 @@ class LateTrigger:
         return {**params, "late": 0} if not params.get("pdl") else params
 
     def default(self, problem):
-        """The first seed; without one, the parent's default (triggering at the start, as the parent)."""
+        """The first seed; without one, the parent's default triggering at its first stage (or, without PDL, as the
+        parent)."""
         seeds = self.seeds(problem)
-        return seeds[0] if seeds else self.config_cls(**super().default(problem).params())
+        if seeds:
+            return seeds[0]
+        params = super().default(problem).params()
+        return self.config_cls(**params, late=FIRST if params.get("pdl") else 0)
 
     def seeds(self, problem) -> list:
         """The parent's first three PDL seeds triggering at their slice's second stage, middle and first
