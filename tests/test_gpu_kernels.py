@@ -276,12 +276,12 @@ def test_wgmma_cktrig_numerics(m, n, k):
 
     fam = family("gemm.wgmma_cktrig")
     p = Problem("kda.o_proj", "gemm", (("M", m), ("N", n), ("K", k)))
-    cfgs = [WgmmaTrigConfig(warpgroups=1, tile_m=tm, split_k=s, bk=128, stages=4, pdl=1, late=late)
-            for late in LATE for tm, s in ((8, 8), (16, 5))]
-    cfgs = [c for c in cfgs if fam.valid(c, p)]  # the trigger points inside each layout's slices, and its first
+    cfgs = [WgmmaTrigConfig(warpgroups=1, tile_m=tm, split_k=s, bk=128, stages=4, pdl=pdl, late=late)
+            for late in LATE for tm, s in ((8, 8), (16, 5)) for pdl in (0, 1)]
+    cfgs = [c for c in cfgs if fam.valid(c, p)]  # the trigger points inside each layout's slices, its first, no PDL
     for i, cfg in enumerate(cfgs):
         _twice(fam, p, cfg, 6000 + i)
-    assert {1, LATE[-1]} <= {c.late for c in cfgs} and len(cfgs) >= 5, len(cfgs)
+    assert {(0, 0), (1, 1), (1, LATE[-1])} <= {(c.pdl, c.late) for c in cfgs} and len(cfgs) >= 7, len(cfgs)
 
 
 @pytest.mark.parametrize("name,knobs", [("gemm.splitk_tc", {"split_k": 1, "reduce": 0}),

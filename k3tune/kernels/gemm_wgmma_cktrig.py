@@ -7,9 +7,10 @@ drains, so HBM stays busy across the boundary. wgmma_ck triggers the next launch
 (``griddepcontrol.launch_dependents``) at its start. With few long CTAs and free slots for all of the next launch's,
 that launch's CTAs start at once, load their first W stages early, and wait idle with them landed; when the launch
 before completes there is nothing in flight until they have read x and refilled the ring. Here each CTA triggers
-when ``late`` stages of its K loop are left (0: at the start, as wgmma_ck; more than the slice has: at its first
-stage, after ``griddepcontrol.wait``), so the next launch's first W stages are requested while this one drains its
-ring, sums the cluster and stores, and are still streaming when it completes.
+when ``late`` stages of its K loop are left (more than the slice has: at its first stage, after
+``griddepcontrol.wait``; at the start is wgmma_ck itself, so late 0 is a config only without PDL), so the next
+launch's first W stages are requested while this one drains its ring, sums the cluster and stores, and are still
+streaming when it completes.
 
 Measured on the H100 (the sweep's picks against the shipped table, one call each): M = 16 0.855 -> 0.896 of the
 roofline at the floor >= 5 us (s56-r1), M = 32 and 64 +2.2% geomean, up to 13% a problem (s56-r3). The same
