@@ -6,14 +6,16 @@
 # --inductor 1,2,4,8,16,32,64").
 # Resumable: START=<an earlier call's sweep.sqlite.xz, copied into the tree> goes on from its trials.
 # Re-sweeping a kind's own table (a landing: K3TUNE_EXTRA_FAMILIES=<staged family> in the environment):
-# BASE=tuning_db/<kind>.sqlite WARM=0 starts from that table, whose winners (stale under the new key) come first.
+# BASE=tuning_db/<kind>.sqlite WARM=0 starts from that table, whose winners (stale under the new key) come first
+# (on the H200 too: BASE=tuning_db/h200.sqlite WARM=0).
 # Usage (device tool, carry [".carry"]): SWEEP_S=420 BENCH_S=0 bash bench/kind_dense.sh
 set -uo pipefail
 source .carry/cutedsl/unpack.sh || exit 1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv | tee $OUT/gpu.txt
 kind=$(python3 -c "import torch; from k3tune.plan.hardware import spec_for_device_name as f
 s = f(torch.cuda.get_device_name()); print(s.key if s else '')")
-[ -n "$kind" ] && [ "$kind" != h200 ] || { echo "kind_dense: for a GPU kind with no shipped dense table ($kind)"; exit 1; }
+[ -n "$kind" ] && { [ "$kind" != h200 ] || [ "${WARM:-1}" = 0 ]; } || \
+  { echo "kind_dense: warm from the H200's table on a kind other than it, or WARM=0 ($kind)"; exit 1; }
 db=/tmp/$kind-sweep.sqlite
 if [ -n "${START:-}" ]; then xz -dc "$START" > $db || exit 1; else cp ${BASE:-tuning_db/h200.sqlite} $db; fi
 warm=(--warm-from H200); [ "${WARM:-1}" = 0 ] && warm=()
