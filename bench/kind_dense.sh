@@ -15,7 +15,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --fo
 kind=$(python3 -c "import torch; from k3tune.plan.hardware import spec_for_device_name as f
 s = f(torch.cuda.get_device_name()); print(s.key if s else '')")
 [ -n "$kind" ] && { [ "$kind" != h200 ] || [ "${WARM:-1}" = 0 ]; } || \
-  { echo "kind_dense: warm from the H200's table on a kind other than it, or WARM=0 ($kind)"; exit 1; }
+  { echo "kind_dense: unknown GPU kind, or the H200 without WARM=0 (it cannot warm from its own table): '$kind'"; exit 1; }
 db=/tmp/$kind-sweep.sqlite
 if [ -n "${START:-}" ]; then xz -dc "$START" > $db || exit 1; else cp ${BASE:-tuning_db/h200.sqlite} $db; fi
 warm=(--warm-from H200); [ "${WARM:-1}" = 0 ] && warm=()

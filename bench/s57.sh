@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # Session 57 device calls. bash bench/s57.sh STEP...
-#   vs: bench/gemm.py on the H100's re-swept dense table (bench/s57_h100_dense.sqlite: s57-r1's export, kept in
-#       bench/results/2026-12-06-s57-h100-landing-dense-blocks.tar.xz; swept under
+#   vs: bench/gemm.py on a re-swept dense table NEW_DB (default bench/s57_h100_dense.sqlite: s57-r1's export, kept in
+#       bench/results/2026-12-06-s57-h100-landing-dense-blocks.tar.xz as s57/r1/h100.sqlite; swept under
 #       K3TUNE_EXTRA_FAMILIES=gemm.wgmma_cktrig) and on the shipped tuning_db/h100.sqlite, one after the other, at MS
 G=$(nvidia-smi --query-gpu=name --format=csv,noheader); echo "GPU: $G"; date -u
 source .carry/cutedsl/unpack.sh || exit 1
+NEW_DB=${NEW_DB:-bench/s57_h100_dense.sqlite}
+[ -f "$NEW_DB" ] || { echo "s57.sh: $NEW_DB not found (unpack it from the s57 tarball into the tree)"; exit 1; }
 for step in "$@"; do
   echo "== $step $(date -u +%T)"
   case $step in
     vs) K3TUNE_EXTRA_FAMILIES=gemm.wgmma_cktrig timeout ${BENCH_S:-150} python3 bench/gemm.py \
-          --db bench/s57_h100_dense.sqlite --ms ${MS:-16,32,64} --samples 9 --rounds 3 --out $OUT/bench-new.json \
+          --db $NEW_DB --ms ${MS:-16,32,64} --samples 9 --rounds 3 --out $OUT/bench-new.json \
           > $OUT/bench-new.log 2>&1; echo "new rc $?"; grep -v "^tp" $OUT/bench-new.log | tail -8
         timeout ${BENCH_S:-150} python3 bench/gemm.py --db tuning_db/h100.sqlite --ms ${MS:-16,32,64} --samples 9 \
           --rounds 3 --out $OUT/bench-old.json > $OUT/bench-old.log 2>&1; echo "old rc $?"
