@@ -6,7 +6,8 @@
 #   NEW=bench/s58_h100_new.sqlite.xz OLD=tuning_db/h100.sqlite FMT=mxfp4 TP=16 ROUTING=zipf:1.2 BATCHES=2,16 \
 #     EXTRA=gemm.wgmma_cktrig bash bench/served_vs.sh
 # EXTRA is the staged family the new table was swept with (K3TUNE_EXTRA_FAMILIES, new side only). EACH_S bounds each
-# side (default 115 s). Writes $OUT/served-new.json/.log and $OUT/served-old.json/.log; prints both tables.
+# side (default 115 s). Writes $OUT/served-new.json/.log and $OUT/served-old.json/.log; prints both tables, then each
+# point's ratio and whether it differs beyond the larger IQR (bench/served_compare.py, which also runs on fetched JSONs).
 # (s58-r4/r5 ran this inline; the script is those commands.)
 set -uo pipefail
 : "${NEW:?NEW=<new export .sqlite.xz>}" "${OLD:?OLD=<shipped table>}" "${FMT:?FMT=bf16|mxfp4}" "${TP:?TP=8|16}"
@@ -26,4 +27,5 @@ for side in new old; do
     echo "$side rc $?"; grep -E "^tp" $OUT/served-$side.log
   )
 done
+python3 bench/served_compare.py $OUT/served-new.json $OUT/served-old.json  # each point: ratio, beyond the IQR?
 date -u

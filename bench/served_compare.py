@@ -1,0 +1,49 @@
+"""Two bench/moe.py --served runs of the same points joined: the served block's median and IQR on each side, their
+ratio, and whether they differ beyond the larger IQR. bench/served_vs.sh prints it after its two runs; it also runs
+here on fetched JSONs:  python bench/served_compare.py NEW.json OLD.json
+"""
+
+import argparse
+import json
+import sys
+
+
+def served(row: dict) -> tuple[str, dict]:
+    """The row's served variant (not its serial or even-split twin)."""
+    for name, v in row.items():
+        if name.startswith("served_") and not name.startswith(("served_serial", "served_even")):
+            return name, v
+    raise KeyError(f"no served variant in tp {row.get('tp')} batch {row.get('batch')}")
+
+
+def point(row: dict) -> tuple:
+    return row["tp"], row["batch"], row["routing"]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("new")
+    ap.add_argument("old")
+    a = ap.parse_args(argv)
+    try:
+        new, old = ({point(r): r for r in json.load(open(p))["rows"]} for p in (a.new, a.old))
+    except (OSError, ValueError, KeyError) as e:
+        print(f"served_compare: cannot read the runs: {e}", file=sys.stderr)
+        return 1
+    both = [k for k in new if k in old]
+    if not both:
+        print("served_compare: the two runs share no point", file=sys.stderr)
+        return 1
+    print(f"{'tp':>3} {'batch':>5} {'routing':<9} {'variant':<14} {'new us':>14} {'old us':>14} {'old/new':>8}  verdict")
+    for k in both:
+        name, n = served(new[k])
+        _, o = served(old[k])
+        d = o["us"] - n["us"]
+        verdict = ("faster" if d > 0 else "slower") if abs(d) > max(n["iqr"], o["iqr"]) else "tie"
+        print(f"{k[0]:>3} {k[1]:>5} {k[2]:<9} {name:<14} {n['us']:>8.1f}±{n['iqr']:<5.1f} {o['us']:>8.1f}±{o['iqr']:<5.1f}"
+              f" {o['us'] / n['us']:>8.3f}  {verdict}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
