@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Session 57 device calls. bash bench/s57.sh STEP...
-#   vs: bench/gemm.py on a re-swept dense table NEW_DB (default bench/s57_h100_dense.sqlite: s57-r1's export, kept in
-#       bench/results/2026-12-06-s57-h100-landing-dense-blocks.tar.xz as s57/r1/h100.sqlite; swept under
+#   vs: bench/gemm.py on a re-swept dense table NEW_DB (.sqlite, or .sqlite.xz kept in the tree; default
+#       bench/s58_h100_new.sqlite.xz, the landing's H100 export, whose dense winners are s57-r1's; swept under
 #       K3TUNE_EXTRA_FAMILIES=gemm.wgmma_cktrig) and on the shipped tuning_db/h100.sqlite, one after the other, at MS
 G=$(nvidia-smi --query-gpu=name --format=csv,noheader); echo "GPU: $G"; date -u
 source .carry/cutedsl/unpack.sh || exit 1
-NEW_DB=${NEW_DB:-bench/s57_h100_dense.sqlite}
-[ -f "$NEW_DB" ] || { echo "s57.sh: $NEW_DB not found (unpack it from the s57 tarball into the tree)"; exit 1; }
+NEW_DB=${NEW_DB:-bench/s58_h100_new.sqlite.xz}
+[ -f "$NEW_DB" ] || { echo "s57.sh: $NEW_DB not found"; exit 1; }
+case $NEW_DB in *.xz) xz -dc "$NEW_DB" > /tmp/s57-new.sqlite || exit 1; NEW_DB=/tmp/s57-new.sqlite ;; esac
 for step in "$@"; do
   echo "== $step $(date -u +%T)"
   case $step in

@@ -7,7 +7,7 @@
 #     EXTRA=gemm.wgmma_cktrig bash bench/served_vs.sh
 # EXTRA is the staged family the new table was swept with (K3TUNE_EXTRA_FAMILIES, new side only). EACH_S bounds each
 # side (default 115 s). Writes $OUT/served-new.json/.log and $OUT/served-old.json/.log; prints both tables, then each
-# point's ratio and whether it differs beyond the larger IQR (bench/served_compare.py, which also runs on fetched JSONs).
+# point's ratio and whether it differs beyond the spread, by moe.py's rule (bench/served_compare.py).
 # (s58-r4/r5 ran this inline; the script is those commands.)
 set -uo pipefail
 : "${NEW:?NEW=<new export .sqlite.xz>}" "${OLD:?OLD=<shipped table>}" "${FMT:?FMT=bf16|mxfp4}" "${TP:?TP=8|16}"

@@ -23,7 +23,7 @@ def _row(batch, us, iqr, serial_us=1000.0):
             "served_bf16": {"us": us, "iqr": iqr}}
 
 
-def test_verdicts_use_the_larger_iqr(tmp_path):
+def test_verdicts_beyond_the_spread(tmp_path):
     r = _run(tmp_path, [_row(1, 59.7, 0.1), _row(4, 110.3, 0.2), _row(64, 588.5, 0.3)],
              [_row(1, 58.9, 0.1), _row(4, 110.2, 0.2), _row(64, 592.3, 0.3), _row(16, 1.0, 0.1)])
     assert r.returncode == 0, r.stderr
