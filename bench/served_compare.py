@@ -23,25 +23,28 @@ def point(row: dict) -> tuple:
     return row["tp"], row["batch"], row["routing"]
 
 
+def _rows(path: str) -> dict:
+    with open(path) as f:
+        return {point(r): r for r in json.load(f)["rows"]}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("new")
     ap.add_argument("old")
     a = ap.parse_args(argv)
     try:
-        new, old = ({point(r): r for r in json.load(open(p))["rows"]} for p in (a.new, a.old))
+        new, old = (_rows(p) for p in (a.new, a.old))
+        both = [(k, *served(new[k]), served(old[k])[1]) for k in new if k in old]
     except (OSError, ValueError, KeyError) as e:
         print(f"served_compare: cannot read the runs: {e}", file=sys.stderr)
         return 1
-    both = [k for k in new if k in old]
     if not both:
         print("served_compare: the two runs share no point", file=sys.stderr)
         return 1
     print(f"{'tp':>3} {'batch':>5} {'routing':<9} {'variant':<14} {'new us':>14} {'old us':>14} {'old/new':>8}"
           "  verdict")
-    for k in both:
-        name, n = served(new[k])
-        _, o = served(old[k])
+    for k, name, n, o in both:
         pair = {"new": n, "old": o}
         verdict = "faster" if _beats(pair, "new", "old") else "slower" if _beats(pair, "old", "new") else "tie"
         print(f"{k[0]:>3} {k[1]:>5} {k[2]:<9} {name:<14} {n['us']:>8.1f}±{n['iqr']:<5.1f}"

@@ -42,3 +42,7 @@ def test_bad_input_is_one_line_and_nonzero(tmp_path):
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1
     assert r.stderr.startswith("served_compare: cannot read the runs")
+    # a shared point without its served variant: one line too, not a traceback
+    r = _run(tmp_path, [_row(1, 1.0, 0.1)], [{"tp": 8, "batch": 1, "routing": "uniform"}])
+    assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1
+    assert r.stderr.startswith("served_compare: cannot read the runs") and "no served variant" in r.stderr
