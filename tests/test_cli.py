@@ -249,8 +249,8 @@ def test_shipped_h200_database_is_current():
 
 
 def test_shipped_h100_database_is_current():
-    """The H100's own table, swept on an H100 from the H200's winners (`--warm-from H200`): the dense projections
-    (session 48) and the 56 MoE blocks (session 49) are current and cover their specs."""
+    """The H100's own table, swept on an H100 from the H200's winners (`--warm-from H200`; sessions 48-49), then
+    re-swept with `gemm.wgmma_cktrig` (sessions 57-58, landed on the H100 only): current, covering its specs."""
     from k3tune.shipped import configs_dir, tuning_db_dir
 
     db = str(tuning_db_dir() / "h100.sqlite")
@@ -297,6 +297,17 @@ def test_lookup_hardware_h100_serves_its_own_dense_table_and_blocks(monkeypatch,
     block = ops["h100"]["moe.block"]
     assert block["median_us"] == _shipped_block_median("h100", block["tuned_problem"])
     assert block["median_us"] != _shipped_block_median("h200", block["tuned_problem"])
+
+
+def test_lookup_serves_a_family_landed_on_the_h100_there_only(monkeypatch, capsys, tmp_path):
+    """`gemm.wgmma_cktrig` is landed on the H100 only (LANDED_ON): the H100's shipped table, re-swept with it, serves
+    its M = 16 picks as measured winners; the H200's, tuned without it, stays current and never names it."""
+    ops = {hw: {o["op"]: o for o in _shipped_lookup(monkeypatch, capsys, tmp_path, hw, 8, 16)["ops"]}
+           for hw in ("h100", "h200")}
+    q_a = ops["h100"]["mla.q_a"]
+    assert (q_a["family"], q_a["source"]) == ("gemm.wgmma_cktrig", "measured")
+    assert all(o["family"] != "gemm.wgmma_cktrig" for o in ops["h200"].values())
+    assert ops["h200"]["mla.q_a"]["source"] == "measured"
 
 
 def test_lookup_reads_what_the_sweep_wrote_by_default(tmp_path, monkeypatch, capsys):

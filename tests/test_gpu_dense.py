@@ -1,4 +1,4 @@
-"""The served dense projection on a GPU: the shipped H200 winners bound to random weights run (never a silent
+"""The served dense projection on a GPU: the shipped winners bound to random weights run (never a silent
 fallback), write their poisoned outputs, match the fp32 reference at odd token counts, and replay from a CUDA graph.
 Run on the device: pytest -m gpu tests/test_gpu_dense.py"""
 
@@ -12,6 +12,7 @@ from k3tune.shipped import tuning_db_dir
 pytestmark = pytest.mark.gpu
 
 H200_DB = tuning_db_dir() / "h200.sqlite"
+H100_DB = tuning_db_dir() / "h100.sqlite"
 
 
 def _randn(rows, cols, seed, scale=1.0):
@@ -30,11 +31,28 @@ CASES = [("kda.qkvg_proj", 8, 1, 0), ("kda.o_proj", 16, 3, 0), ("kda.o_proj", 16
 def test_the_shipped_h200_kernel_runs_and_matches_eagerly_and_from_a_graph(op, tp, batch, draft):
     """The served kernel is the database's (never a silent fallback), writes the poisoned output, matches the fp32
     reference at odd token counts too (tokens 9 and 17 are served from the bucket above), and replays in a graph."""
+    _serve_and_check(Selector.load(H200_DB, measured_on="h200"), op, tp, batch, draft)
+
+
+# the H100 table's picks of gemm.wgmma_cktrig (landed on the H100 only: kernels.LANDED_ON), at odd token counts too
+CKTRIG_CASES = [("mla.q_a", 8, 16, 0), ("kda.o_proj", 8, 9, 0), ("moe.shared_w13", 16, 17, 0),
+                ("moe.router_latent", 16, 33, 0), ("mla.q_b", 8, 64, 0)]
+
+
+@pytest.mark.parametrize("op,tp,batch,draft", CKTRIG_CASES)
+def test_the_shipped_h100_late_trigger_picks_run_and_match(op, tp, batch, draft):
+    """The H100's shipped table serves gemm.wgmma_cktrig where its re-sweep picked it (the family is staged on
+    other hardware): the kernel that runs is that one, and it matches the reference eagerly and from a graph."""
+    sel = Selector.load(H100_DB, measured_on="h100")
+    assert sel.lookup(op, tp, batch, draft).family == "gemm.wgmma_cktrig"
+    _serve_and_check(sel, op, tp, batch, draft)
+
+
+def _serve_and_check(sel, op: str, tp: int, batch: int, draft: int) -> None:
     import torch
 
     from k3tune.plan import problems as plans
 
-    sel = Selector.load(H200_DB, measured_on="h200")
     choice = sel.lookup(op, tp, batch, draft)
     assert choice.source in ("measured", "nearest bucket (measured)"), choice
     p = plans.problem_for(plans.op(op), sel.model, plans.Deployment(tp, batch, 1, draft, 0), sel.spec)

@@ -187,6 +187,7 @@ def staged_registry(monkeypatch):
         f.cache_clear()
     monkeypatch.setattr(kernels, "FAMILIES", dict(kernels.FAMILIES))
     monkeypatch.setattr(kernels, "STAGED", {Staged.name: Staged()})
+    monkeypatch.setattr(kernels, "LANDED_ON", {})
     monkeypatch.delenv("K3TUNE_EXTRA_FAMILIES", raising=False)
     yield kernels
     for f in (kernels.op_digest, kernels._candidates):
@@ -215,6 +216,43 @@ def test_staged_family_is_buildable_by_name_but_keys_nothing_until_named(staged_
     for f in (k.op_digest, k._candidates):
         f.cache_clear()
     assert k.op_digest("kda.o_proj", "gpu") == named
+
+
+def test_a_family_landed_on_one_hardware_is_offered_and_keyed_there_only(staged_registry, monkeypatch):
+    """LANDED_ON: a staged family whose re-sweep shipped for one hardware (by class key) keys and is offered there as
+    if landed, its ops' blocks too, and nowhere else: another table, tuned without it, stays current. It keys there
+    as under K3TUNE_EXTRA_FAMILIES (the re-sweep's variable), so the table swept under the variable is current."""
+    k = staged_registry
+    a, b = "GPU-A|cc9.0|132sm|79GiB", "GPU-B|cc9.0|132sm|132GiB"
+    p = problems.Problem("kda.o_proj", "gemm", (("M", 32), ("N", 7168), ("K", 1536)))
+    ops = ("kda.o_proj", "moe.block", "kda.decode")
+    plain = {op: k.op_digest(op, "gpu") for op in ops}
+    monkeypatch.setattr(k, "LANDED_ON", {"gemm.staged_test": frozenset({a})})
+    for f in (k.op_digest, k._candidates):
+        f.cache_clear()
+    on_a = {op: k.op_digest(op, "gpu", a) for op in ops}
+    assert {op: k.op_digest(op, "gpu", b) for op in ops} == plain == {op: k.op_digest(op, "gpu") for op in ops}
+    assert on_a["kda.o_proj"] != plain["kda.o_proj"] and on_a["moe.block"] != plain["moe.block"]
+    assert on_a["kda.decode"] == plain["kda.decode"]  # an op the family cannot serve
+    assert k.op_digest("kda.o_proj", "simulated", "sim:" + a) == k.op_digest("kda.o_proj", "simulated")
+    named = lambda hw: [f.name for f in k.families_for(p, "gpu", "sm_90a", hw)]  # noqa: E731
+    assert "gemm.staged_test" in named(a) and "gemm.staged_test" not in named(b) + named(None)
+    monkeypatch.setenv("K3TUNE_EXTRA_FAMILIES", "gemm.staged_test")
+    k._extra_families()
+    for f in (k.op_digest, k._candidates):
+        f.cache_clear()
+    assert k.op_digest("kda.o_proj", "gpu") == on_a["kda.o_proj"] == k.op_digest("kda.o_proj", "gpu", a)
+    assert k.op_digest("moe.block", "gpu", b) == on_a["moe.block"]
+
+
+def test_landed_on_names_staged_families_by_measured_class_keys():
+    """Every LANDED_ON entry is a staged family (one moved to FAMILIES leaves it) and names measured
+    hardware by the form of ``Fingerprint.class_key`` (a simulated key would never match a measured table)."""
+    import k3tune.kernels as kernels
+
+    for name, keys in kernels.LANDED_ON.items():
+        assert name in kernels.STAGED, name
+        assert keys and all(not key.startswith("sim:") and key.count("|") == 3 for key in keys), keys
 
 
 def test_block_key_covers_the_dense_kernels_it_runs(staged_registry):

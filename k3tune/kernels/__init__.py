@@ -23,7 +23,7 @@ from k3tune.kernels.mla_decode import MlaSplitKv, MlaTorch
 from k3tune.kernels.moe_block import MoeOverlap, MoeStock
 from k3tune.plan.problems import OPS, Problem
 
-__all__ = ["FAMILIES", "STAGED", "KernelConfig", "KernelFamily", "Work", "count_configs", "family", "families_for",
+__all__ = ["FAMILIES", "LANDED_ON", "STAGED", "KernelConfig", "KernelFamily", "Work", "count_configs", "family", "families_for",
            "op_digest", "op_families", "params_key", "safe_default"]
 
 FAMILIES: dict[str, KernelFamily] = {
@@ -44,6 +44,14 @@ FAMILIES: dict[str, KernelFamily] = {
 # wgmma_ckr (7c63ab5), splitk_xring (cb67ed7) and session 55's splitk_trig (aabc50e) were staged, refuted on a GPU
 # and removed.
 STAGED: dict[str, KernelFamily] = {f.name: f for f in [WgmmaCkTriggerGemm()]}
+
+# Staged families whose re-sweep has shipped for some hardware but not yet for all: offered and keyed as landed on
+# the hardware named here (by its measured class key, ``Fingerprint.class_key``), staged elsewhere, so that one
+# table's re-sweep ships without making the others stale. A family moves to FAMILIES when every shipped table has it.
+LANDED_ON: dict[str, frozenset[str]] = {
+    # session 57-58: the H100's dense table and its 56 blocks re-swept with it (bench/results s57, s58, s59)
+    "gemm.wgmma_cktrig": frozenset({"NVIDIA H100 80GB HBM3|cc9.0|132sm|79GiB"}),
+}
 
 
 _EXTRA_ERROR: list[str] = []  # a bad K3TUNE_EXTRA_FAMILIES, raised on first use (an import-time raise is a traceback)
@@ -84,17 +92,25 @@ def _check_backend(backend: str) -> None:
         raise ConfigError(f"unknown backend '{backend}' (known: {', '.join(BACKENDS)})")
 
 
+def _offered(hardware: str | None) -> list[KernelFamily]:
+    """FAMILIES, and the staged families landed on ``hardware`` (a class key; None: on no hardware in particular)."""
+    _check_extra()
+    landed = [STAGED[n] for n, keys in LANDED_ON.items() if hardware in keys and n not in FAMILIES]
+    return [*FAMILIES.values(), *landed]
+
+
 @functools.cache
-def _candidates(kind: str, backend: str) -> tuple[KernelFamily, ...]:
+def _candidates(kind: str, backend: str, hardware: str | None = None) -> tuple[KernelFamily, ...]:
     _check_backend(backend)
-    found = [f for f in FAMILIES.values() if backend in f.backends and kind in f.kinds]
+    found = [f for f in _offered(hardware) if backend in f.backends and kind in f.kinds]
     return tuple(sorted(found, key=lambda f: (f.priority, f.name)))
 
 
-def families_for(problem: Problem, backend: str, arch: str | None = None) -> list[KernelFamily]:
+def families_for(problem: Problem, backend: str, arch: str | None = None,
+                 hardware: str | None = None) -> list[KernelFamily]:
     """Families that implement the problem (with at least one valid config) and may run on the backend (and, where
-    ``arch`` is given, have code for it), safest first."""
-    return [f for f in _candidates(problem.kind, backend)
+    ``arch`` is given, have code for it), safest first; with ``hardware`` (a class key), those landed on it too."""
+    return [f for f in _candidates(problem.kind, backend, hardware)
             if f.supports(arch) and f.can_implement(problem) and f.runs_on(problem, backend) and _has_config(f, problem)]
 
 
@@ -119,23 +135,26 @@ def _dsl_version() -> str:
         return "none"
 
 
-def op_families(op: str, backend: str) -> list[KernelFamily]:
-    """Every family that may serve the op on the backend (whether or not it implements a given shape)."""
+def op_families(op: str, backend: str, hardware: str | None = None) -> list[KernelFamily]:
+    """Every family that may serve the op on the backend (whether or not it implements a given shape); with
+    ``hardware`` (a class key), the staged families landed on it too."""
     _check_backend(backend)
     kind = OPS[op].kind if op in OPS else op
-    return [f for f in FAMILIES.values() if backend in f.backends and kind in f.kinds and (f.ops is None or op in f.ops)]
+    return [f for f in _offered(hardware)
+            if backend in f.backends and kind in f.kinds and (f.ops is None or op in f.ops)]
 
 
 @functools.cache
-def op_digest(op: str, backend: str) -> str:
-    """Digest of every family that may serve the op on the backend: a change to any of them, or a family
-    added or removed, makes the op's tuned winners stale. On a GPU an op that runs other ops' tuned kernels
-    (``OpDef.runs``: the MoE block's dense projections) also takes their digests: a dense kernel changed under
-    a block makes the block's winners stale too. (The simulated block models its dense phases itself.)"""
-    parts = sorted(f"{f.name}:{f.digest}" for f in op_families(op, backend))
+def op_digest(op: str, backend: str, hardware: str | None = None) -> str:
+    """Digest of every family that may serve the op on the backend (on ``hardware``, a class key: see LANDED_ON):
+    a change to any of them, or a family added or removed, makes the op's tuned winners stale. On a GPU an op that
+    runs other ops' tuned kernels (``OpDef.runs``: the MoE block's dense projections) also takes their digests: a
+    dense kernel changed under a block makes the block's winners stale too. (The simulated block models its dense
+    phases itself.) Hardware with no landed family digests as ``hardware=None``."""
+    parts = sorted(f"{f.name}:{f.digest}" for f in op_families(op, backend, hardware))
     parts.append(f"cutlass-dsl:{_dsl_version()}" if backend == "gpu" else "")
     if backend == "gpu" and op in OPS:
-        parts += [f"runs {r}:{op_digest(r, backend)}" for r in OPS[op].runs]
+        parts += [f"runs {r}:{op_digest(r, backend, hardware)}" for r in OPS[op].runs]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 

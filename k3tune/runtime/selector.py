@@ -192,7 +192,7 @@ class Selector:
         if not fp.simulated and not any(r[2] == fp.driver and r[3] == fp.cuda for r in hw_rows if r[0] in ids):
             self._warn(f"{path}: tuned under another driver/CUDA than {fp.driver}/{fp.cuda}; serving it anyway")
         backend = "simulated" if fp.simulated else "gpu"
-        current = {op: op_digest(op, backend) for op in plans.OPS}
+        current = {op: op_digest(op, backend, fp.class_key) for op in plans.OPS}
         stale: set[str] = set()  # problem keys with a winner for another op digest
         refused = 0
         lab = "simulated" if fp.simulated else "measured"

@@ -151,16 +151,18 @@ class CompileFarm:
         f = self.futures.get(self._key(problem, family, params))
         return f is None or f.done()
 
-    def submit_known(self, problems: list[Problem], backend: str, settings, warm_for) -> int:
+    def submit_known(self, problems: list[Problem], backend: str, settings, warm_for,
+                     hardware: str | None = None) -> int:
         """Every problem's candidates known before anything is measured (defaults, seeds, warm starts
-        ``warm_for(problem)``, a small space whole), into the backlog in the given order (claim order), so that
-        the farm compiles ahead of the workers without holding up what they need now. Returns how many."""
+        ``warm_for(problem)``, a small space whole) among the families offered on ``hardware`` (a class key), into
+        the backlog in the given order (claim order), so that the farm compiles ahead of the workers without holding
+        up what they need now. Returns how many."""
         from k3tune.kernels import families_for
         from k3tune.search.strategy import known_candidates
 
         n = 0
         for p in problems if self.pool is not None else ():
-            fams = families_for(p, backend)
+            fams = families_for(p, backend, hardware=hardware)
             if any(farmed(f.name) for f in fams):
                 for cand in known_candidates(p, fams, settings, warm_for(p)):
                     key = self._key(p, cand.family, cand.params)

@@ -28,7 +28,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from k3tune.errors import ConfigError, HardwareError
-from k3tune.kernels import FAMILIES, families_for, op_digest
+from k3tune.kernels import FAMILIES, STAGED, families_for, op_digest
 from k3tune.kernels.gemm_smallm import current_arch
 from k3tune.plan import hardware, model as models, problems as plans, spec as specs
 from k3tune.plan.hardware import Fingerprint, HardwareSpec
@@ -176,9 +176,11 @@ def warm_hardware(s: Session, db_name: str, name: str, fp: Fingerprint, hw_id: i
     return ids
 
 
-def unmet_runs(db: Database, hw_id: int, label: Backend, backend: str, problems: list[plans.Problem]) -> list[str]:
+def unmet_runs(db: Database, hw_id: int, label: Backend, backend: str, problems: list[plans.Problem],
+               hardware: str | None = None) -> list[str]:
     """For the problems of ops that run other ops' tuned kernels (``OpDef.runs``), each lookup of those kernels
-    that has no current winner in ``db`` for this hardware and backend, as 'block problem -> dense problem'. The
+    that has no current winner in ``db`` for this hardware (``hw_id``; its class key ``hardware``) and backend, as
+    'block problem -> dense problem'. The
     lookups are mapped as the workers' ``Selector.load()`` maps them (the default spec's token buckets, the default
     model's shapes): the block at M tokens asks for each dense op at batch M, no draft."""
     model, spec = models.load(), specs.load()
@@ -187,7 +189,7 @@ def unmet_runs(db: Database, hw_id: int, label: Backend, backend: str, problems:
         for op in plans.OPS[p.op].runs:
             dep = plans.Deployment(p["tp"], p["M"], 1, 0, spec.context[0])
             need.setdefault(plans.problem_for(plans.OPS[op], model, dep, spec), []).append(p)
-    digests = {op: op_digest(op, backend) for op in {q.op for q in need}}
+    digests = {op: op_digest(op, backend, hardware) for op in {q.op for q in need}}
     with db.session() as s:
         won = {key for key, op, digest in s.execute(
             select(ProblemRow.key, ProblemRow.op, Winner.op_digest).join(Winner, Winner.problem_id == ProblemRow.id)
@@ -278,8 +280,8 @@ def _run_phase(opt: SweepOptions, plan: plans.Plan, t_start: float) -> SweepStat
     try:
         fp = fingerprint_for(opt.backend, opt.hw)  # after the workers' start: on a GPU it starts CUDA here too
         arch = arch_of(opt.backend, opt.hw, fp)  # families with no code for it are never offered (gemm.wgmma on GB300)
-        digests = {op: op_digest(op, opt.backend) for op in {p.op for p in tunable}}
-        fam_digests = {f.name: f.digest for f in FAMILIES.values()}
+        digests = {op: op_digest(op, opt.backend, fp.class_key) for op in {p.op for p in tunable}}
+        fam_digests = {f.name: f.digest for f in [*FAMILIES.values(), *STAGED.values()]}  # by name: landed ones too
         method = method_digest(opt.backend)  # trials timed another way are neither reused nor overwritten
 
         with opt.db.session() as s:
@@ -299,7 +301,8 @@ def _run_phase(opt: SweepOptions, plan: plans.Plan, t_start: float) -> SweepStat
             stats.problems_total = len(wanted)
             stats.problems_done_before = len(wanted) - records.remaining(s, hw_id, label, wanted)
         if runs_others:
-            gaps = unmet_runs(opt.db, hw_id, label, opt.backend, [p for p in tunable if plans.OPS[p.op].runs])
+            gaps = unmet_runs(opt.db, hw_id, label, opt.backend, [p for p in tunable if plans.OPS[p.op].runs],
+                              fp.class_key)
             if gaps:
                 raise ConfigError(f"{len(gaps)} lookups of the dense kernels the MoE block runs have no current "
                                   f"winner in {opt.db.path or 'the database'} (first: {gaps[0]}): sweep those ops "
@@ -387,7 +390,7 @@ def _run_phase(opt: SweepOptions, plan: plans.Plan, t_start: float) -> SweepStat
         search = opt.spec.search
         if search.local or search.whole:  # the winner's one-knob neighbours (a hill climb over the passes), and
             # every value of the ``whole`` knobs
-            fams = {f.name: f for f in families_for(p, opt.backend, arch)}
+            fams = {f.name: f for f in families_for(p, opt.backend, arch, fp.class_key)}
             moved = [(p, fam, prm) for q, fam, params in mine if fam in fams
                      for prm in ((polish.local_moves(fams[fam], p, params) if search.local else [])
                                  + polish.whole_moves(fams[fam], p, params, search.whole))]
@@ -405,7 +408,7 @@ def _run_phase(opt: SweepOptions, plan: plans.Plan, t_start: float) -> SweepStat
 
     def open_search(pid: int) -> ProblemSearch:
         p = by_id[pid]
-        fams = families_for(p, opt.backend, arch)
+        fams = families_for(p, opt.backend, arch, fp.class_key)
         with opt.db.session() as s:
             stored = records.stored_trials(s, hw_id, pid, {f.name: fam_digests[f.name] for f in fams}, method)
         search = ProblemSearch(p, fams, opt.spec.search, seed=opt.spec.search.seed + pid, stored=stored,
@@ -446,7 +449,7 @@ def _run_phase(opt: SweepOptions, plan: plans.Plan, t_start: float) -> SweepStat
         wanted_all, passes = dict(wanted), opt.spec.search.polish
         polish_start = 0.0  # monotonic time the first polish pass was planned
         planner = polish.Planner(opt.db, hw_id, label, opt.spec.search,
-                                 lambda p: families_for(p, opt.backend, arch), fam_digests, method, warm)
+                                 lambda p: families_for(p, opt.backend, arch, fp.class_key), fam_digests, method, warm)
         if not wanted:
             pool.close()  # nothing left to measure (the workers were started early, in vain)
         with pool:
@@ -454,7 +457,7 @@ def _run_phase(opt: SweepOptions, plan: plans.Plan, t_start: float) -> SweepStat
                 stats.pool_started_s = time.monotonic() - t_start
             while True:  # the search, then polish passes until no neighbour's winner is left untried
                 # while the workers start: every problem's known candidates to the farm, in claim order
-                farm.submit_known([by_id[pid] for pid in wanted], opt.backend, opt.spec.search, warm)
+                farm.submit_known([by_id[pid] for pid in wanted], opt.backend, opt.spec.search, warm, fp.class_key)
                 while True:
                     if len(active) < target_active:
                         with opt.db.session() as s:

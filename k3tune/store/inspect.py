@@ -18,10 +18,10 @@ BACKEND_OF = {"measured": "gpu", "simulated": "simulated", "cpu": "cpu"}
 REGRESSION_FLOOR = 0.03  # slower by more than this fraction (and the spreads) counts as a regression
 
 
-def is_current(op: str, digest: str, backend: str) -> bool:
-    """Whether a winner recorded with this op digest and backend ('measured', ...) still matches the kernels'
-    sources (the ``keep`` of ``transfer.export`` that leaves stale winners out)."""
-    return op in plans.OPS and digest == op_digest(op, BACKEND_OF[backend])
+def is_current(op: str, digest: str, backend: str, hardware: str) -> bool:
+    """Whether a winner recorded with this op digest and backend ('measured', ...) on this hardware (its class key)
+    still matches the kernels' sources (the ``keep`` of ``transfer.export`` that leaves stale winners out)."""
+    return op in plans.OPS and digest == op_digest(op, BACKEND_OF[backend], hardware)
 
 
 def show(db: Database) -> dict:
@@ -86,7 +86,7 @@ def verify(db: Database, plan: plans.Plan | None = None) -> Verification:
     have: dict[str, set[str]] = {}
     for w, p, h in rows:
         v.winners += 1
-        if not is_current(p.op, w.op_digest, w.backend.value):
+        if not is_current(p.op, w.op_digest, w.backend.value, h.class_key):
             v.stale.append(f"{h.class_key} {p.key}")
             v.stale_by_op[p.op] += 1
             continue

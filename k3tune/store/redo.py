@@ -33,9 +33,11 @@ def redo(db: Database, patterns: list[str], seeds_from: Database | None = None) 
         ids = {pid for pat in patterns for (pid,) in s.execute(select(ProblemRow.id).where(ProblemRow.key.like(pat)))}
         if not ids:
             raise ConfigError(f"no problem in {db.path or 'the database'} has a key like {' or '.join(patterns)}")
-        rows = s.execute(select(Winner, ProblemRow.op).join(ProblemRow, ProblemRow.id == Winner.problem_id)
+        rows = s.execute(select(Winner, ProblemRow.op, Hardware.class_key)
+                         .join(ProblemRow, ProblemRow.id == Winner.problem_id)
+                         .join(Hardware, Hardware.id == Winner.hardware_id)
                          .where(Winner.problem_id.in_(ids))).all()
-        current = [w for w, op in rows if is_current(op, w.op_digest, w.backend)]
+        current = [w for w, op, hw in rows if is_current(op, w.op_digest, w.backend, hw)]
         for w in current:  # one stale mark a problem and backend: the newest winner's
             s.execute(delete(Winner).where(Winner.hardware_id == w.hardware_id, Winner.problem_id == w.problem_id,
                                            Winner.backend == w.backend, Winner.op_digest == STALE))
@@ -59,9 +61,9 @@ def _current_winners(db: Database, patterns: list[str]) -> list[tuple[str, str, 
     keep = ("backend", "family", "family_digest", "params", "median_us", "spread_us", "default_us", "ties", "trials",
             "method")
     with db.session() as s:
-        rows = s.execute(select(Winner, ProblemRow.key, ProblemRow.op, Hardware.digest)
+        rows = s.execute(select(Winner, ProblemRow.key, ProblemRow.op, Hardware.digest, Hardware.class_key)
                          .join(ProblemRow, ProblemRow.id == Winner.problem_id)
                          .join(Hardware, Hardware.id == Winner.hardware_id)
                          .where(or_(*(ProblemRow.key.like(p) for p in patterns)))).all()
-        return [(hw, key, {k: getattr(w, k) for k in keep}) for w, key, op, hw in rows
-                if is_current(op, w.op_digest, w.backend)]
+        return [(hw, key, {k: getattr(w, k) for k in keep}) for w, key, op, hw, class_key in rows
+                if is_current(op, w.op_digest, w.backend, class_key)]

@@ -42,7 +42,7 @@ def report(db: Database) -> dict:
     by_hw: dict[tuple, list] = defaultdict(list)
     stale = Counter()
     for w, p, h in rows:
-        if not is_current(p.op, w.op_digest, w.backend.value):
+        if not is_current(p.op, w.op_digest, w.backend.value, h.class_key):
             stale[h.class_key] += 1
             continue
         by_hw[(h.class_key, h.name, w.backend.value)].append((w, p))

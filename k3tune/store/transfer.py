@@ -147,7 +147,7 @@ TRIAL_COLS = ("family", "family_digest", "variant", "params", "params_key", "rou
 
 
 def copy_records(src: Database, dst: Database, *, origin: str, trials: bool, hardware: str | None = None,
-                 keep: Callable[[str, str, str], bool] | None = None, newer: bool = False) -> CopyStats:
+                 keep: Callable[[str, str, str, str], bool] | None = None, newer: bool = False) -> CopyStats:
     """Copy winners (and optionally every trial) from src into dst. A winner conflicting with one already
     in dst (same hardware, problem, op digest, backend) is resolved by measured time, or with ``newer`` by when it
     was decided (the later decision replaces, the same one is kept); provenance is kept."""
@@ -156,7 +156,8 @@ def copy_records(src: Database, dst: Database, *, origin: str, trials: bool, har
         ids = _IdMap(s, d, origin)
         hw_filter = [Winner.hardware_id.in_(select(Hardware.id).where(Hardware.class_key.contains(hardware)))] if hardware else []
         for w in s.scalars(select(Winner).where(*hw_filter)):
-            if keep is not None and not keep(s.get(ProblemRow, w.problem_id).op, w.op_digest, w.backend.value):
+            if keep is not None and not keep(s.get(ProblemRow, w.problem_id).op, w.op_digest, w.backend.value,
+                                             s.get(Hardware, w.hardware_id).class_key):
                 stats.winners_dropped += 1
                 continue
             key = dict(hardware_id=ids.hardware(w.hardware_id), problem_id=ids.problem(w.problem_id),
@@ -225,9 +226,9 @@ def _refuse_to_replace(dest: str | os.PathLike) -> None:
 
 
 def export(src: Database, dest: str | os.PathLike, *, hardware: str | None = None,
-           keep: Callable[[str, str, str], bool] | None = None, force: bool = False) -> CopyStats:
+           keep: Callable[[str, str, str, str], bool] | None = None, force: bool = False) -> CopyStats:
     """A compact database holding winners with their provenance (hardware, software, runs, problems);
-    ``keep(op, op_digest, backend)`` drops winners the caller knows to be stale. An existing ``dest`` is replaced
+    ``keep(op, op_digest, backend, class_key)`` drops winners the caller knows to be stale. An existing ``dest`` is replaced
     only if it is a database without trials (an earlier export), or with ``force``."""
     _refuse_onto(dest, [src])  # the export would replace the source with its winners: every trial lost
     if not force:
