@@ -341,9 +341,11 @@ def current_block_keys(src: str) -> str:
     os.close(fd)
     shutil.copyfile(src, path)
     con = sqlite3.connect(path)
-    with con:
-        n = con.execute("UPDATE winners SET op_digest = ? WHERE problem_id IN (SELECT id FROM problems WHERE "
-                        "op = 'moe.block')", (op_digest("moe.block", "gpu"),)).rowcount
+    with con:  # each hardware's digest: a family landed on one hardware keys its winners only (kernels.LANDED_ON)
+        n = sum(con.execute("UPDATE winners SET op_digest = ? WHERE hardware_id = ? AND problem_id IN "
+                            "(SELECT id FROM problems WHERE op = 'moe.block')",
+                            (op_digest("moe.block", "gpu", key), hw)).rowcount
+                for hw, key in con.execute("SELECT id, class_key FROM hardware").fetchall())
     con.close()
     print(f"# {src}: {n} moe.block winners served on this tree's kernels (temporary copy)")
     return path
