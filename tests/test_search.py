@@ -654,6 +654,23 @@ def test_local_passes_try_the_winners_one_knob_neighbours(tmp_path):
     assert untried[1] == 0 < untried[0], untried
 
 
+def test_whole_may_name_a_knob_of_a_family_landed_on_some_hardware():
+    """The CLI checks ``[search] whole`` before the sweep's hardware is known: a knob of a family landed on some
+    hardware only (``late``: gemm.wgmma_cktrig, on the H100) is no misspelling; a knob no family declares still is."""
+    from k3tune.errors import ConfigError
+    from k3tune.search.driver import check_whole_knobs
+
+    def sp(whole):
+        return spec.from_dict({"matrix": {"tp": [8], "batch": [16], "ops": ["mla.q_a"]},
+                               "buckets": {"tokens": [16], "batch": [16], "query_len": [1]},
+                               "search": {"budget": 4, "samples": 5, "remeasure_top": 2, "polish": 2, "whole": whole}})
+
+    probs = driver.plans.build(sp(["late"]), model.load()).problems
+    check_whole_knobs(sp(["late"]), probs, "gpu")
+    with pytest.raises(ConfigError, match=r"whole names lat, which no kernel family"):
+        check_whole_knobs(sp(["lat"]), probs, "gpu")
+
+
 def test_whole_knobs_are_tried_at_every_value_on_each_winner(tmp_path):
     """With ``[search] whole = [knob]`` the polish passes try each problem's winner at every value its family declares
     for that knob (the rest of it unchanged), valid ones measured: on a real SQLite sweep none is left untried at the

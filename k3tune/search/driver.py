@@ -28,7 +28,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from k3tune.errors import ConfigError, HardwareError
-from k3tune.kernels import FAMILIES, STAGED, families_for, op_digest
+from k3tune.kernels import FAMILIES, LANDED_ON, STAGED, families_for, op_digest
 from k3tune.kernels.gemm_smallm import current_arch
 from k3tune.plan import hardware, model as models, problems as plans, spec as specs
 from k3tune.plan.hardware import Fingerprint, HardwareSpec
@@ -220,10 +220,14 @@ def _merged(a: SweepStats, b: SweepStats) -> SweepStats:
 
 def check_whole_knobs(spec: SweepSpec, problems: list[plans.Problem], backend: str) -> None:
     """``[search] whole`` must name knobs that a kernel family of the problems declares: a misspelt one would try
-    nothing, silently. The CLI calls this before it opens a database; ``run_sweep`` again, once for all its phases."""
+    nothing, silently. The CLI calls this before it opens a database (the hardware not known yet: a family landed on
+    any hardware counts); ``run_sweep`` again, once for all its phases."""
     if spec.search.whole:
         one_each = list({p.op: p for p in problems}.values())
-        unknown = sorted(set(spec.search.whole) - polish.declared_knobs(lambda p: families_for(p, backend), one_each))
+        hws = [None, *sorted({key for keys in LANDED_ON.values() for key in keys})]
+        declared = set().union(*(polish.declared_knobs(lambda p, hw=hw: families_for(p, backend, hardware=hw), one_each)
+                                 for hw in hws))
+        unknown = sorted(set(spec.search.whole) - declared)
         if unknown:
             raise ConfigError(f"spec {spec.name}: [search] whole names {', '.join(unknown)}, which no kernel family "
                               f"of its ops declares")
