@@ -23,8 +23,8 @@ from k3tune.kernels.mla_decode import MlaSplitKv, MlaTorch
 from k3tune.kernels.moe_block import MoeOverlap, MoeStock
 from k3tune.plan.problems import OPS, Problem
 
-__all__ = ["FAMILIES", "LANDED_ON", "STAGED", "KernelConfig", "KernelFamily", "Work", "count_configs", "family", "families_for",
-           "op_digest", "op_families", "params_key", "safe_default"]
+__all__ = ["FAMILIES", "LANDED_ON", "STAGED", "KernelConfig", "KernelFamily", "Work", "count_configs", "family",
+           "families_for", "op_digest", "op_families", "params_key", "safe_default"]
 
 FAMILIES: dict[str, KernelFamily] = {
     f.name: f

@@ -180,9 +180,9 @@ def unmet_runs(db: Database, hw_id: int, label: Backend, backend: str, problems:
                hardware: str | None = None) -> list[str]:
     """For the problems of ops that run other ops' tuned kernels (``OpDef.runs``), each lookup of those kernels
     that has no current winner in ``db`` for this hardware (``hw_id``; its class key ``hardware``) and backend, as
-    'block problem -> dense problem'. The
-    lookups are mapped as the workers' ``Selector.load()`` maps them (the default spec's token buckets, the default
-    model's shapes): the block at M tokens asks for each dense op at batch M, no draft."""
+    'block problem -> dense problem'. The lookups are mapped as the workers' ``Selector.load()`` maps them (the
+    default spec's token buckets, the default model's shapes): the block at M tokens asks for each dense op at batch
+    M, no draft."""
     model, spec = models.load(), specs.load()
     need: dict[plans.Problem, list[plans.Problem]] = {}
     for p in problems:

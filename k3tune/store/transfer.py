@@ -228,8 +228,8 @@ def _refuse_to_replace(dest: str | os.PathLike) -> None:
 def export(src: Database, dest: str | os.PathLike, *, hardware: str | None = None,
            keep: Callable[[str, str, str, str], bool] | None = None, force: bool = False) -> CopyStats:
     """A compact database holding winners with their provenance (hardware, software, runs, problems);
-    ``keep(op, op_digest, backend, class_key)`` drops winners the caller knows to be stale. An existing ``dest`` is replaced
-    only if it is a database without trials (an earlier export), or with ``force``."""
+    ``keep(op, op_digest, backend, class_key)`` drops winners the caller knows to be stale. An existing ``dest`` is
+    replaced only if it is a database without trials (an earlier export), or with ``force``."""
     _refuse_onto(dest, [src])  # the export would replace the source with its winners: every trial lost
     if not force:
         _refuse_to_replace(dest)
