@@ -93,8 +93,8 @@ def _check_backend(backend: str) -> None:
 
 
 def _offered(hardware: str | None) -> list[KernelFamily]:
-    """FAMILIES, and the staged families landed on ``hardware`` (a class key; None: on no hardware in particular)."""
-    _check_extra()
+    """FAMILIES, and the staged families landed on ``hardware`` (a class key; None: on no hardware in particular).
+    Its callers have checked K3TUNE_EXTRA_FAMILIES already (``_check_backend``)."""
     landed = [STAGED[n] for n, keys in LANDED_ON.items() if hardware in keys and n not in FAMILIES]
     return [*FAMILIES.values(), *landed]
 
