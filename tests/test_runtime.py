@@ -44,6 +44,22 @@ def test_every_deployment_is_covered_without_exceptions(smoke_db):
                         assert c.family
 
 
+def test_a_spec_with_small_buckets_serves_every_deployment(smoke_db):
+    """Loaded with the spec its table was swept under (smoke: tokens up to 16, batch buckets 1 and 8), the selector
+    serves every deployment: those its buckets cover from the table, larger ones by the safe default at their true
+    size (no bucket holds them). Until s61 every lookup raised "17 is above the largest bucket 16"."""
+    sel = Selector.load(smoke_db, simulated="gb300", spec=spec.load("smoke"))
+    assert sel.lookup("kda.qkvg_proj", tp=16, batch=8, draft=1).source == "simulated"
+    big = sel.lookup("kda.qkvg_proj", tp=16, batch=64, draft=7)
+    assert big.source == "heuristic default" and big.problem.startswith("kda.qkvg_proj[M=512,")
+    assert sel.lookup("kda.decode", tp=8, batch=9).problem.endswith("batch=9,qlen=1]")
+    for tp in (8, 16):
+        for batch in (1, 3, 8, 9, 17, 64):
+            for draft in (0, 1, 2, 7):
+                for op in ("kda.o_proj", "mla.decode", "moe.block", "kda.decode"):
+                    assert sel.lookup(op, tp, batch, draft, 1, 20000).family
+
+
 def test_untuned_size_uses_nearest_bucket_above_and_warns_once(smoke_db, caplog):
     sel = Selector.load(smoke_db, simulated="gb300")
     with caplog.at_level(logging.WARNING, logger="k3tune.runtime"):

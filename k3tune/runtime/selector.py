@@ -257,18 +257,21 @@ class Selector:
     def _cells(self, kind: int):
         """(table key, representative deployment) for every cell an op of this kind has under the spec."""
         sp, ctx0 = self.spec, self._ctx[0]
+        # the spec's buckets only: a deployment above them is untuned, built on its first lookup (`_slow`)
+        tokens, batches, qlens = (sorted(set(t[1:]) & set(b)) for t, b in (
+            (self._tb, sp.token_buckets), (self._bb, sp.batch_buckets), (self._qb, sp.query_buckets)))
         for tp in sp.tp:
             if kind == _GEMM:
-                for m in sorted(set(self._tb[1:])):
+                for m in tokens:
                     yield (tp, m), plans.Deployment(tp, m, 1, 0, ctx0)
             elif kind == _KDA:
-                for b in sorted(set(self._bb[1:])):
-                    for q in sorted(set(self._qb[1:])):
+                for b in batches:
+                    for q in qlens:
                         yield (tp, b, q), plans.Deployment(tp, b, 1, q - 1, ctx0)
             else:
                 for dcp in (d for d in sp.dcp if d <= tp and tp % d == 0):
-                    for b in sorted(set(self._bb[1:])):
-                        for q in sorted(set(self._qb[1:])):
+                    for b in batches:
+                        for q in qlens:
                             for c in self._ctx:
                                 yield (tp, dcp, b, q, c), plans.Deployment(tp, b, dcp, q - 1, c)
 
@@ -320,7 +323,7 @@ class Selector:
         raise AssertionError("unreachable")
 
     def _slow(self, op: str, tp: int, batch: int, draft: int, dcp: int, context: int | None) -> Choice:
-        """A deployment outside the spec's tp/dcp values: validated, then built and cached."""
+        """A deployment outside the spec's tp/dcp values or above its buckets: validated, then built and cached."""
         o = plans.op(op)
         dep = plans.Deployment(tp, batch, dcp, draft, self.context_bucket(context))
         p = plans.problem_for(o, self.model, dep, self.spec)
