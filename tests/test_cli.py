@@ -248,6 +248,35 @@ def test_shipped_h200_database_is_current():
 
 
 
+def _journal(path) -> tuple[int, int]:
+    """The file format's write and read versions (header bytes 18 and 19): 1 is rollback journal, 2 is WAL."""
+    head = Path(path).read_bytes()[:20]
+    return head[18], head[19]
+
+
+def test_shipped_databases_stay_in_rollback_mode():
+    """A WAL-mode file opened read-only needs its -shm beside it: a server that cannot write the directory it was
+    installed to (site-packages owned by root) got "attempt to write a readonly database" and served heuristic
+    defaults for every op (s61, as user nobody). `db verify` opened files read-write and so switched them to WAL, and
+    both shipped files were; it now opens them read-only. The shipped files, and an export after verify and lookup,
+    are rollback-mode files that leave nothing beside them."""
+    from k3tune.shipped import tuning_db_dir
+
+    for f in sorted(tuning_db_dir().glob("*.sqlite")):
+        assert _journal(f) == (1, 1), f"{f.name} is in WAL mode: PRAGMA journal_mode=DELETE on it"
+    assert not list(tuning_db_dir().glob("*.sqlite-*"))
+
+
+def test_an_export_stays_in_rollback_mode_through_verify_and_lookup(tmp_path, capsys):
+    db, out = str(tmp_path / "s.sqlite"), tmp_path / "out.sqlite"
+    assert main(["sweep", "--simulate", "gb300", "--spec", "smoke", "--db", db]) == 0
+    assert main(["db", "export", db, str(out)]) == 0
+    assert main(["db", "verify", str(out), "--spec", "smoke"]) == 0
+    assert main(["lookup", "--db", str(out), "--simulate", "gb300", "--tp", "8", "--batch", "1", "--json"]) == 0
+    assert _journal(out) == (1, 1)
+    assert sorted(p.name for p in tmp_path.glob("out.sqlite*")) == ["out.sqlite"]
+
+
 def test_shipped_h100_database_is_current():
     """The H100's own table, swept on an H100 from the H200's winners (`--warm-from H200`; sessions 48-49), then
     re-swept with `gemm.wgmma_cktrig` (sessions 57-58, landed on the H100 only): current, covering its specs."""

@@ -102,7 +102,7 @@ def verify(db: DbArg = None, spec: SpecOption = None, config: ConfigOption = Non
     plan = plans.build(sp, models.load(config or sp.model_config))
     require_db(db_target(db))  # a missing file is bad input, not a verdict on a database
     try:
-        v = inspect.verify(store_db.open_db(db_target(db), create=False, check_schema=False), plan)
+        v = inspect.verify(store_db.open_db(db_target(db), create=False, readonly=True, check_schema=False), plan)
     except DatabaseError as e:  # unreadable (corrupt, truncated): that is the verdict
         v = inspect.Verification([str(e)], None, False)
     if json:
