@@ -246,8 +246,6 @@ def test_shipped_h200_database_is_current():
                  "sweep_h200x2_allreduce.toml", "sweep_h200x4_allreduce.toml"):  # the all-reduce on 2 and 4 GPUs
         assert main(["db", "verify", str(tuning_db_dir() / "h200.sqlite"), "--spec", str(configs_dir() / spec)]) == 0
 
-
-
 def _journal(path) -> tuple[int, int]:
     """The file format's write and read versions (header bytes 18 and 19): 1 is rollback journal, 2 is WAL."""
     head = Path(path).read_bytes()[:20]

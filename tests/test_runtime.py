@@ -52,6 +52,8 @@ def test_a_spec_with_small_buckets_serves_every_deployment(smoke_db):
     assert sel.lookup("kda.qkvg_proj", tp=16, batch=8, draft=1).source == "simulated"
     big = sel.lookup("kda.qkvg_proj", tp=16, batch=64, draft=7)
     assert big.source == "heuristic default" and big.problem.startswith("kda.qkvg_proj[M=512,")
+    assert sel.warnings == [f"kda.qkvg_proj: {big.problem} has no tuned bucket at or above it; serving the "
+                            "heuristic default"]
     assert sel.lookup("kda.decode", tp=8, batch=9).problem.endswith("batch=9,qlen=1]")
     for tp in (8, 16):
         for batch in (1, 3, 8, 9, 17, 64):

@@ -329,6 +329,9 @@ class Selector:
         p = plans.problem_for(o, self.model, dep, self.spec)
         c = self._choose(p)
         self._tables[op][self._key(op, tp, batch, draft, dcp, dep.context if self._kind[op] == _MLA else 0)] = c
+        if c.tuned_problem is None and self._winners.get(op) and op not in self._warned:
+            self._warned.add(op)  # tuned elsewhere, not here (e.g. above every bucket of the spec): worth a word
+            self._warn(f"{op}: {c.problem} has no tuned bucket at or above it; serving the heuristic default")
         return c
 
     def layer(self, tp: int, batch: int, draft: int = 0, dcp: int = 1, context: int | None = None) -> dict[str, Choice]:
