@@ -3,7 +3,10 @@ H200 one, and a simulated sweep made here), stale winners left out, and the plot
 
 import json
 import math
+import os
 import sqlite3
+import subprocess
+import sys
 
 import pytest
 
@@ -73,8 +76,22 @@ def test_the_plot_is_written_whole_or_refused_in_one_line(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["plot"] == str(png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     assert [p.name for p in tmp_path.iterdir()] == ["h200.png"]  # no temporary file left beside it
+    mask = os.umask(0)
+    os.umask(mask)
+    assert png.stat().st_mode & 0o777 == 0o666 & ~mask  # as any file the user writes (was mkstemp's 0600)
     for bad, msg in [(tmp_path / "no" / "x.png", "is not a directory"), (tmp_path / "x.docx", "name it .png")]:
         assert main(["db", "report", str(H200_DB), "--plot", str(bad)]) == 2
         err = capsys.readouterr().err
         assert msg in err and len(err.strip().splitlines()) == 1
         assert not bad.exists()
+
+
+def test_a_piped_report_keeps_its_numbers():
+    """Redirected to a file (no terminal, no COLUMNS), rich drew the table 80 columns wide and cut every number to
+    an ellipsis ("1.… │ 1…"); piped output is now 200 columns wide."""
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    out = subprocess.run([sys.executable, "-m", "k3tune", "db", "report", str(H200_DB)], capture_output=True,
+                         text=True, env=env, check=True).stdout
+    row = next(line for line in out.splitlines() if "kda.o_proj" in line and "K=1536" in line)
+    assert "…" not in row and "gemm.cublas" in row
+    assert len([c for c in row.split("│") if c.strip().replace(".", "").isdigit()]) == 11  # M = 1 … 512 and geomean

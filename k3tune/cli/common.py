@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from typing import Annotated
 
 import typer
@@ -12,8 +13,17 @@ from k3tune import settings
 from k3tune.errors import DatabaseError
 from k3tune.store import db as store_db
 
-console = Console()
-err_console = Console(stderr=True)
+
+
+def _console(stderr: bool = False) -> Console:
+    """Rich's console; piped or redirected (a report kept beside a release, a CI log) it is 200 columns wide, not
+    rich's 80, which cut every column of `db report`'s table to an ellipsis. COLUMNS still wins."""
+    c = Console(stderr=stderr)
+    return c if c.is_terminal or "COLUMNS" in os.environ else Console(stderr=stderr, width=200)
+
+
+console = _console()
+err_console = _console(stderr=True)
 
 DbOption = Annotated[str | None, typer.Option("--db", help="Tuning database: a SQLite path or SQLAlchemy URL "
                                               "(default: $K3TUNE_DB, else ./k3tune.sqlite).")]

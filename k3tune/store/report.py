@@ -143,6 +143,9 @@ def plot(data: dict, path: str | os.PathLike) -> Path:
     os.close(fd)
     try:
         fig.savefig(tmp, dpi=130)
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(tmp, 0o666 & ~mask)  # as any file the user writes (mkstemp's is 0600)
         os.replace(tmp, path)
     finally:
         plt.close(fig)
