@@ -91,6 +91,9 @@ def check_sqlite_file(path: Path) -> None:
     except sqlite3.DatabaseError as e:
         if "not a database" in str(e):
             raise DatabaseError(f"{path} is not a SQLite database") from None
+        if "readonly database" in str(e):  # read-only, a WAL-mode file needs its -shm: it could not be made here
+            raise DatabaseError(f"cannot read {path}: {e} (a WAL-mode database in a directory this process cannot "
+                                "write; serve a `k3tune db export` of it, which needs no side file)") from None
         raise DatabaseError(f"cannot read {path}: {e}") from None
 
 
