@@ -14,7 +14,6 @@ from k3tune.errors import DatabaseError
 from k3tune.store import db as store_db
 
 
-
 def _console(stderr: bool = False) -> Console:
     """Rich's console; piped or redirected (a report kept beside a release, a CI log) it is 200 columns wide, not
     rich's 80, which cut every column of `db report`'s table to an ellipsis. COLUMNS still wins."""
