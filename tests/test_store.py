@@ -119,6 +119,41 @@ def test_upgrade_never_overwrites_a_backup_and_leaves_a_current_database_alone(t
     assert revision(tmp_path / "old.sqlite.bak") == revision(tmp_path / "old.sqlite.bak.1") == "0001"
 
 
+def test_upgrade_keeps_the_journal_mode_and_backs_up_what_the_wal_holds(tmp_path):
+    """An upgrade opened the original, and migrated its copy, read-write through SQLAlchemy, which sets WAL mode:
+    an upgraded export (rollback mode) came back a WAL file that a server unable to write its directory cannot
+    open, and an upgrade of a file already current switched it to WAL too (s61). The original is no longer opened
+    for writing; a transaction still in its -wal must then reach both the .bak and the new file, and no -wal be
+    left beside the new file."""
+    import subprocess
+    import sys
+
+    exported = tmp_path / "export.sqlite"
+    shutil.copy(DATA / "schema_0001.sqlite", exported)
+    assert store_db.journal_mode(exported) == "delete"
+    store_db.upgrade(exported)
+    assert store_db.journal_mode(exported) == "delete"
+    store_db.upgrade(exported)  # already current: not opened for writing
+    assert store_db.journal_mode(exported) == "delete"
+
+    swept = tmp_path / "sweep.sqlite"  # a sweep's WAL-mode file whose last transaction is still in its -wal
+    shutil.copy(DATA / "schema_0001.sqlite", swept)
+    subprocess.run([sys.executable, "-c", (
+        "import os, sqlite3\n"
+        f"c = sqlite3.connect({str(swept)!r}, isolation_level=None)\n"
+        "c.execute('PRAGMA journal_mode=WAL'); c.execute('PRAGMA wal_autocheckpoint=0')\n"
+        "c.execute('CREATE TABLE note (x)'); c.execute('INSERT INTO note VALUES (42)')\n"
+        "os._exit(0)  # no close: the transaction stays in the -wal\n")], check=True)
+    assert Path(f"{swept}-wal").stat().st_size > 0
+    assert store_db.upgrade(swept) == ("0001", store_db.head_revision())
+    assert not Path(f"{swept}-wal").exists()  # (before any read-only look, which leaves an empty one)
+    assert store_db.journal_mode(swept) == "wal"
+    for f in (swept, tmp_path / "sweep.sqlite.bak"):
+        with contextlib.closing(sqlite3.connect(f"file:{f}?mode=ro", uri=True)) as c:
+            assert c.execute("SELECT x FROM note").fetchall() == [(42,)]
+            assert c.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+
+
 def test_a_params_key_of_a_whole_block_knob_set_is_stored(any_db_url):
     """Keys up to the column's 2000 characters (schema 0004): PostgreSQL enforces the width, SQLite does not."""
     from k3tune.store.models import PARAMS_KEY_CHARS

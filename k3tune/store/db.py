@@ -312,25 +312,40 @@ def open_for_serving(target: str | os.PathLike) -> tuple[Database, str]:
     return db, note
 
 
+def journal_mode(path: Path) -> str:
+    """A SQLite file's journal mode ('delete', 'wal', ...), asked read-only: it changes nothing."""
+    with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as conn:
+        return conn.execute("PRAGMA journal_mode").fetchone()[0].lower()
+
+
 def upgrade(target: str | os.PathLike) -> tuple[str | None, str]:
     """Migrate a database to the current schema. A SQLite file is upgraded on a copy that then replaces it
     (the original kept as .bak, or .bak.1, ... where an earlier backup exists), so a failed migration leaves it
-    untouched. A database already at the current schema is left alone, and no backup is made."""
-    db = Database(target, create=False, check_schema=False)
-    before = db.revision()
+    untouched; the upgraded file keeps the original's permissions and journal mode (an export stays a
+    rollback-journal file a read-only server can open). A database already at the current schema is left alone,
+    unopened for writing, and no backup is made."""
+    probe = Database(target, create=False, readonly=True, check_schema=False)
+    try:
+        before = probe.revision()
+    finally:
+        probe.dispose()
     if before is not None and before not in known_revisions():
         raise newer_schema(before)
     if before == head_revision():
-        db.dispose()
         return before, before
-    if db.path is None:
-        db.migrate()
-        return before, db.revision()
-    db.dispose()
-    fd, tmp = tempfile.mkstemp(prefix=".k3tune-upgrade-", suffix=".sqlite", dir=db.path.parent)
+    if probe.path is None:
+        db = Database(target, create=False, check_schema=False)
+        try:
+            db.migrate()
+            return before, db.revision()
+        finally:
+            db.dispose()
+    path = probe.path
+    mode = journal_mode(path)
+    fd, tmp = tempfile.mkstemp(prefix=".k3tune-upgrade-", suffix=".sqlite", dir=path.parent)
     os.close(fd)
     try:
-        src = sqlite3.connect(db.path)
+        src = sqlite3.connect(path)
         dst = sqlite3.connect(tmp)
         with dst:
             src.backup(dst)
@@ -339,11 +354,32 @@ def upgrade(target: str | os.PathLike) -> tuple[str | None, str]:
         copy = Database(tmp, create=False, check_schema=False)
         copy.migrate()
         after = copy.revision()
-        copy.dispose()
-        shutil.copy2(db.path, backup_path(db.path))
-        shutil.copymode(db.path, tmp)  # the upgraded file keeps the original's permissions (mkstemp's are 0600)
-        os.replace(tmp, db.path)
+        copy.close()
+        with contextlib.closing(sqlite3.connect(tmp, isolation_level=None)) as conn:
+            conn.execute(f"PRAGMA journal_mode={'wal' if mode == 'wal' else 'delete'}")
+        leave_wal_mode(path)  # folds the original's WAL in: the backup then holds it all, and no -wal is left
+        shutil.copy2(path, backup_path(path))  # beside the new file to be read into it
+        shutil.copymode(path, tmp)  # the upgraded file keeps the original's permissions (mkstemp's are 0600)
+        os.replace(tmp, path)
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        for p in (tmp, tmp + "-wal", tmp + "-shm"):
+            if os.path.exists(p):
+                os.unlink(p)
     return before, after
+
+
+def leave_wal_mode(dest: Path) -> None:
+    """Before ``dest`` is replaced: a database in WAL mode is checkpointed and switched to rollback mode, which folds
+    and removes its -wal and -shm files. Left beside the new file, SQLite would read the old WAL into it (s29: a
+    forced export over a sweep's database then read "database disk image is malformed"). A database another
+    connection holds open cannot leave WAL mode: that is refused, and nothing is replaced."""
+    if not (Path(f"{dest}-wal").exists() or Path(f"{dest}-shm").exists()):
+        return
+    try:
+        with contextlib.closing(sqlite3.connect(dest, timeout=5, isolation_level=None)) as conn:
+            conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            mode = conn.execute("PRAGMA journal_mode=DELETE").fetchone()[0]
+    except sqlite3.Error as e:
+        mode = f"error: {e}"
+    if mode.lower() != "delete" or Path(f"{dest}-wal").exists():
+        raise DatabaseError(f"{dest} is open elsewhere (its write-ahead log is live; {mode}): close it and retry")

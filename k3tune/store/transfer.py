@@ -18,26 +18,9 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from k3tune.errors import DatabaseError
-from k3tune.store.db import Database
+from k3tune.store.db import Database, leave_wal_mode
 from k3tune.store.models import Hardware, ProblemRow, Run, Software, Trial, Winner
 from k3tune.store.records import insert_ignore
-
-
-def _leave_wal_mode(dest: Path) -> None:
-    """Before ``dest`` is replaced: a database in WAL mode is checkpointed and switched to rollback mode, which folds
-    and removes its -wal and -shm files. Left beside the new file, SQLite would read the old WAL into it (s29: a
-    forced export over a sweep's database then read "database disk image is malformed"). A database another
-    connection holds open cannot leave WAL mode: that is refused, and nothing is replaced."""
-    if not (Path(f"{dest}-wal").exists() or Path(f"{dest}-shm").exists()):
-        return
-    try:
-        with contextlib.closing(sqlite3.connect(dest, timeout=5, isolation_level=None)) as conn:
-            conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-            mode = conn.execute("PRAGMA journal_mode=DELETE").fetchone()[0]
-    except sqlite3.Error as e:
-        mode = f"error: {e}"
-    if mode.lower() != "delete" or Path(f"{dest}-wal").exists():
-        raise DatabaseError(f"{dest} is open elsewhere (its write-ahead log is live; {mode}): close it and retry")
 
 
 @contextlib.contextmanager
@@ -69,7 +52,7 @@ def atomic_sqlite(dest: str | os.PathLike, start_from: Path | None = None) -> It
         with sqlite3.connect(tmp, isolation_level=None) as conn:
             conn.execute("VACUUM")
         conn.close()
-        _leave_wal_mode(dest)
+        leave_wal_mode(dest)
         os.replace(tmp, dest)
     finally:
         if db is not None:
