@@ -246,15 +246,6 @@ def test_shipped_h200_database_is_current():
                  "sweep_h200x2_allreduce.toml", "sweep_h200x4_allreduce.toml"):  # the all-reduce on 2 and 4 GPUs
         assert main(["db", "verify", str(tuning_db_dir() / "h200.sqlite"), "--spec", str(configs_dir() / spec)]) == 0
 
-def _journal(path) -> str:
-    """The file's journal mode, asked of SQLite read-only (a plain open() and close() of a database file would drop
-    the POSIX locks this process's connections hold on it: `store.db.check_sqlite_file`)."""
-    import sqlite3
-
-    with closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as c:
-        return c.execute("PRAGMA journal_mode").fetchone()[0]
-
-
 def test_shipped_databases_stay_in_rollback_mode():
     """A WAL-mode file opened read-only needs its -shm beside it: a server that cannot write the directory it was
     installed to (site-packages owned by root) got "attempt to write a readonly database" and served heuristic
@@ -262,19 +253,22 @@ def test_shipped_databases_stay_in_rollback_mode():
     both shipped files were; it now opens them read-only. The shipped files, and an export after verify and lookup,
     are rollback-mode files that leave nothing beside them."""
     from k3tune.shipped import tuning_db_dir
+    from k3tune.store.db import journal_mode
 
     for f in sorted(tuning_db_dir().glob("*.sqlite")):
-        assert _journal(f) == "delete", f"{f.name} is in WAL mode: PRAGMA journal_mode=DELETE on it"
+        assert journal_mode(f) == "delete", f"{f.name} is in WAL mode: PRAGMA journal_mode=DELETE on it"
     assert not list(tuning_db_dir().glob("*.sqlite-*"))
 
 
 def test_an_export_stays_in_rollback_mode_through_verify_and_lookup(tmp_path, capsys):
+    from k3tune.store.db import journal_mode
+
     db, out = str(tmp_path / "s.sqlite"), tmp_path / "out.sqlite"
     assert main(["sweep", "--simulate", "gb300", "--spec", "smoke", "--db", db]) == 0
     assert main(["db", "export", db, str(out)]) == 0
     assert main(["db", "verify", str(out), "--spec", "smoke"]) == 0
     assert main(["lookup", "--db", str(out), "--simulate", "gb300", "--tp", "8", "--batch", "1", "--json"]) == 0
-    assert _journal(out) == "delete"
+    assert journal_mode(out) == "delete"
     assert sorted(p.name for p in tmp_path.glob("out.sqlite*")) == ["out.sqlite"]
 
 
