@@ -354,9 +354,10 @@ def upgrade(target: str | os.PathLike) -> tuple[str | None, str]:
         copy = Database(tmp, create=False, check_schema=False)
         copy.migrate()
         after = copy.revision()
-        copy.close()
-        with contextlib.closing(sqlite3.connect(tmp, isolation_level=None)) as conn:
-            conn.execute(f"PRAGMA journal_mode={'wal' if mode == 'wal' else 'delete'}")
+        copy.close()  # migrated read-write, so in WAL mode: back to rollback mode unless the original was WAL
+        if mode != "wal":
+            with contextlib.closing(sqlite3.connect(tmp, isolation_level=None)) as conn:
+                conn.execute("PRAGMA journal_mode=DELETE")
         leave_wal_mode(path)  # folds the original's WAL in: the backup then holds it all, and no -wal is left
         shutil.copy2(path, backup_path(path))  # beside the new file to be read into it
         shutil.copymode(path, tmp)  # the upgraded file keeps the original's permissions (mkstemp's are 0600)

@@ -230,7 +230,7 @@ def merge(dest: str | os.PathLike, sources: list[Database], newer: bool = False)
     total = CopyStats()
     start = dest if dest.exists() else None
     if start is not None:
-        Database(start, create=False).dispose()  # refuses a non-SQLite or wrong-schema target up front
+        Database(start, create=False, readonly=True).dispose()  # refuses a non-SQLite or wrong-schema target up front
     with atomic_sqlite(dest, start_from=start) as out:
         for src in sources:
             st = copy_records(src, out, origin=src.name, trials=True, newer=newer)
