@@ -167,6 +167,7 @@ def test_polish_tries_neighbours_winners_and_a_rerun_finds_nothing_left(tmp_path
     assert plain.polish_passes == 0 and plain.polished == 0
     assert polished.problems_done == polished.problems_total and not polished.no_winner
     assert polished.polish_passes >= 1 and polished.polished > 0 and polished.polish_changed > 0
+    assert polished.polish_changed <= polished.polished <= polished.problems_total  # distinct problems, not per pass
     assert polished.trials > plain.trials
     counts = inspect.diff(db_off, db_on)["counts"]
     assert counts.get("improvement", 0) > 0 and "regression" not in counts, counts

@@ -104,7 +104,7 @@ def sweep(
         def on_progress(st: SweepStats) -> None:
             best = f" best {st.best_speedup:.2f}x vs default" if st.best_speedup else ""
             progress.update(task, total=st.problems_total, completed=st.problems_done_before + st.problems_done,
-                            info=f"trials {st.trials} failed {st.failed}{best}")
+                            info=f"problems, {st.trials} trials, {st.failed} failed{best}")
 
         try:
             with interrupts_between_sessions():  # Ctrl-C or a scheduler's SIGTERM: a clean stop

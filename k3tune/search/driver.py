@@ -95,7 +95,7 @@ class SweepStats:
     worker_busy_cpu_s: float = 0.0  # ... of which the workers had the CPU (less: blocked on the GPU or descheduled)
     worker_build_s: float = 0.0  # ... and seconds inside builds (a compile, or a wait on the farm's)
     opened_early: int = 0  # problems opened beyond the usual number because every open one waited on a build
-    polished: int = 0  # problems searched again because a neighbour's winner had not been tried on them
+    polished: int = 0  # distinct problems searched again because a neighbour's winner had not been tried on them
     polish_changed: int = 0  # of those, how many chose another kernel
     polish_passes: int = 0
     polish_s: float = 0.0  # wall time from the first pass's planning to the sweep's end (the passes' tail latency)
@@ -354,6 +354,7 @@ def _run_phase(opt: SweepOptions, plan: plans.Plan, t_start: float) -> SweepStat
 
     active: dict[int, ProblemSearch] = {}
     incumbent: dict[int, tuple[str, dict]] = {}  # polished problems: the search's choice before polishing
+    polished_ids: set[int] = set()
     task_of: dict[int, tuple[int, Candidate]] = {}
     next_task = 0
     status = "failed"
@@ -552,7 +553,8 @@ def _run_phase(opt: SweepOptions, plan: plans.Plan, t_start: float) -> SweepStat
                     incumbent[pid] = w  # what the search chose, before any polish pass
                 with opt.db.session() as s:
                     records.plan_claims(s, hw_id, label, wanted)
-                stats.polished += len(wanted)
+                polished_ids.update(wanted)
+                stats.polished = len(polished_ids)  # distinct problems: a later pass may take one up again
                 stats.polish_passes += 1
             stats.polish_untimed = len(planner.untimed)
             stats.polish_changed = sum(1 for pid, w in polish.current_winners(opt.db, hw_id, label, {
