@@ -95,3 +95,22 @@ def test_a_piped_report_keeps_its_numbers():
     row = next(line for line in out.splitlines() if "kda.o_proj" in line and "K=1536" in line)
     assert "…" not in row and "gemm.cublas" in row
     assert len([c for c in row.split("│") if c.strip().replace(".", "").isdigit()]) == 11  # M = 1 … 512 and geomean
+
+
+def test_a_narrow_report_folds_its_labels_and_orders_rows_by_value():
+    """Rows were sorted as strings (K=1536 before K=768, tp=16 before tp=8), and a narrow table cut labels and
+    baselines to an ellipsis, so rows that differ only in their tail (a block's routing, mla.decode's ctx) read
+    alike. Rows now follow their dims' values, and text folds inside its cell while every number stays whole."""
+    _, ops = _h200()
+    assert [r["label"] for r in ops["kda.o_proj"]["rows"]] == ["K=768", "K=1536"]
+    assert [r["label"].split(",")[0] for r in ops["moe.block"]["rows"]] == ["tp=8"] * 4 + ["tp=16"] * 4
+    env = {**os.environ, "COLUMNS": "120"}
+    out = subprocess.run([sys.executable, "-m", "k3tune", "db", "report", str(H200_DB)], capture_output=True,
+                         text=True, env=env, check=True).stdout
+    assert "…" not in out
+    lines = out.splitlines()
+    i = next(i for i, line in enumerate(lines) if line.startswith("│ moe.block") and "│ moe.stock" in line)
+    end = next(j for j in range(i + 1, len(lines)) if not lines[j].startswith("│  "))  # the row's folded lines
+    assert "".join(line.split("│")[2].strip() for line in lines[i:end]) == "tp=8,format=bf16,routing=uniform"
+    row = next(line for line in lines if line.startswith("│ kda.o_proj") and "K=1536" in line)
+    assert len([c for c in row.split("│") if c.strip().replace(".", "").isdigit()]) == 11

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 from rich.markup import escape
-from rich.table import Table
+from rich.table import Column, Table
 
 from k3tune.cli.common import ConfigOption, JsonOption, SpecOption, console, db_target, print_json, require_db
 from k3tune.errors import ConfigError, DatabaseError
@@ -72,7 +72,10 @@ def report(db: DbArg = None,
         stale = f", {hw['stale_left_out']} stale left out" if hw["stale_left_out"] else ""
         console.print(f"[bold]{escape(hw['hardware'])}[/] ({label}): {hw['winners']} current winners{stale}")
         sizes = sorted({m for op in hw["ops"] for r in op["rows"] for m in r["cells"]})
-        t = Table("op", "problem", "baseline", *map(str, sizes), "geomean",
+        # narrow text columns fold rather than cut (rows differ in the problem's tail: mla.decode's ctx=…); the
+        # numbers are what the table is for and keep their width
+        t = Table(*(Column(h, overflow="fold") for h in ("op", "problem", "baseline")),
+                  *(Column(h, no_wrap=True, min_width=4) for h in (*map(str, sizes), "geomean")),
                   title="speedup over the safe baseline, by tokens per step")
         for op in hw["ops"]:
             for r in op["rows"]:

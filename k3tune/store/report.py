@@ -53,8 +53,10 @@ def report(db: Database) -> dict:
             mine = [(w, p) for w, p in winners if p.op == op]
             varying = _varying(p.dims for _, p in mine)
             groups: dict[str, dict] = {}
+            order: dict[str, tuple] = {}  # numeric order of the dims (ctx=4096 before ctx=16384), not the label's
             for w, p in mine:
                 label = ",".join(f"{k}={p.dims[k]}" for k in varying)
+                order.setdefault(label, tuple((isinstance(v, str), v) for v in (p.dims[k] for k in varying)))
                 if label not in groups:
                     groups[label] = {"label": label, "baseline": _baseline(p, backend), "cells": {}}
                 g = groups[label]
@@ -64,7 +66,7 @@ def report(db: Database) -> dict:
             for g in groups.values():
                 g["cells"] = dict(sorted(g["cells"].items()))
                 g["geomean"] = _geomean([c["speedup"] for c in g["cells"].values() if c["speedup"]])
-            ops.append({"op": op, "rows": [groups[k] for k in sorted(groups)],
+            ops.append({"op": op, "rows": [groups[k] for k in sorted(groups, key=order.__getitem__)],
                         "geomean": _geomean([w.default_us / w.median_us for w, _ in mine if w.default_us]),
                         "kernels": dict(Counter(w.family for w, _ in mine).most_common())})
         out.append({"hardware": name, "class_key": class_key, "backend": backend, "ops": ops,
