@@ -71,6 +71,19 @@ def test_untuned_size_uses_nearest_bucket_above_and_warns_once(smoke_db, caplog)
     assert sum("untuned" in r.message for r in caplog.records) == 1
 
 
+def test_a_context_above_every_bucket_is_served_the_largest_with_a_word(smoke_db):
+    """A context longer than the spec's largest context bucket (K3 allows 1M tokens; the default spec tunes up to
+    128k) was served that bucket's choice without a word; now once per op it says so."""
+    sel = Selector.load(smoke_db, simulated="gb300", spec=spec.load("smoke"))
+    top = sel.context_bucket(None)
+    assert sel.lookup("mla.decode", 16, 8, 0, 1, top).source == "simulated" and not sel.warnings
+    c = sel.lookup("mla.decode", 16, 8, 0, 1, top + 1)
+    assert sel.lookup("mla.decode", 16, 1, 0, 1, 4 * top).source == "simulated"
+    assert c == sel.lookup("mla.decode", 16, 8, 0, 1, top) and sel.context_bucket(top + 1) == top
+    assert sel.warnings == [f"mla.decode: context {top + 1} is above the largest tuned context bucket {top}; "
+                            "serving that bucket's choice (add a longer context to the sweep spec's matrix to tune it)"]
+
+
 def test_simulated_winners_are_never_served_as_measurements(smoke_db):
     fp = hardware.Fingerprint("NVIDIA GB300", "10.3", 160, 288, "580", "13.0", False)
     sel = Selector.load(smoke_db, fingerprint=fp)
@@ -164,6 +177,8 @@ def test_a_stale_row_beside_a_current_winner_is_superseded_not_warned_of(smoke_d
     (dict(op="kda.o_proj", tp=8, batch=4, draft=9), "draft length 9"),
     (dict(op="nope", tp=8, batch=4), "unknown op"),
     (dict(op="kda.o_proj", tp=5, batch=4), "tp 5 does not divide"),
+    (dict(op="mla.decode", tp=8, batch=4, context=0), "context 0 must be a positive"),  # was served from 8192
+    (dict(op="mla.decode", tp=8, batch=4, context=-5), "context -5 must be a positive"),
 ])
 def test_bad_lookups_raise_clear_errors(smoke_db, args, msg):
     sel = Selector.load(smoke_db, simulated="gb300")

@@ -57,12 +57,15 @@ def lookup(
         choices = sel.layer(tp, batch, draft, dcp, context)
     finally:
         log.removeHandler(quiet)
+    bucket = sel.context_bucket(context)  # the one MLA's choices are served from
     if json:
-        print_json({"deployment": dict(tp=tp, batch=batch, draft=draft, dcp=dcp, context=sel.context_bucket(context)),
+        print_json({"deployment": dict(tp=tp, batch=batch, draft=draft, dcp=dcp, context=context or bucket,
+                                       context_bucket=bucket),
                     "db": db or "shipped", "table_hash": sel.hash, "warnings": sel.warnings, "ops": [c.as_dict() for c in choices.values()]})
         return
     t = Table(title=f"tp {tp} batch {batch} draft {draft} dcp {dcp} "
-              f"context {sel.context_bucket(context)} (db {escape(db or 'shipped')}, table {sel.hash})")
+              f"context {context or bucket}{'' if context in (None, bucket) else f' (bucket {bucket})'} "
+              f"(db {escape(db or 'shipped')}, table {sel.hash})")
     for name in ("op", "kernel"):  # names whole on a narrow terminal: the knobs wrap instead
         t.add_column(name, no_wrap=True)
     t.add_column("knobs")

@@ -297,6 +297,8 @@ class Selector:
             return self._ctx[-1]
         if context in self._ctx_exact:
             return context
+        if context < 1:
+            raise ConfigError(f"context {context} must be a positive number of tokens")
         i = bisect.bisect_left(self._ctx, context)
         return self._ctx[min(i, len(self._ctx) - 1)]
 
@@ -310,7 +312,7 @@ class Selector:
             elif kind == _KDA:
                 c = table.get((tp, self._bb[batch], self._qb[1 + draft]))
             else:
-                ctx = self._ctx_map.get(context) or self.context_bucket(context)
+                ctx = self._ctx_map.get(context) or self._served_context(op, context)
                 c = table.get((tp, dcp, self._bb[batch], self._qb[1 + draft], ctx))
             if c is None:
                 c = self._slow(op, tp, batch, draft, dcp, context)
@@ -321,6 +323,15 @@ class Selector:
         plans.op(op)  # unknown op: ConfigError
         specs.validate_deployment_values(tp, batch, dcp, draft)
         raise AssertionError("unreachable")
+
+    def _served_context(self, op: str, context: int) -> int:
+        """A context that is not a bucket: its bucket, with a word (once per op) where it is above them all."""
+        ctx = self.context_bucket(context)
+        if context > ctx and op + "@context" not in self._warned:
+            self._warned.add(op + "@context")
+            self._warn(f"{op}: context {context} is above the largest tuned context bucket {ctx}; serving that "
+                       "bucket's choice (add a longer context to the sweep spec's matrix to tune it)")
+        return ctx
 
     def _slow(self, op: str, tp: int, batch: int, draft: int, dcp: int, context: int | None) -> Choice:
         """A deployment outside the spec's tp/dcp values or above its buckets: validated, then built and cached."""
