@@ -428,6 +428,35 @@ def test_merge_reports_the_trials_it_added_and_diff_summarises_in_words(tmp_path
     assert "┃" not in out  # no empty table
 
 
+def test_diff_lists_regressions_first_and_names_the_hardware_where_there_are_several(tmp_path, capsys):
+    """`db diff` listed rows in key order and printed the first 200: a regression sorting after 200 additions was
+    counted but never shown. Regressions now lead, and a database of two hardware kinds names each row's."""
+    import sqlite3
+
+    old, new = tmp_path / "old.sqlite", tmp_path / "new.sqlite"
+    for hw in ("gb300", "h200"):
+        assert main(["sweep", "--simulate", hw, "--spec", "smoke", "--db", str(new), "--json"]) == 0
+    capsys.readouterr()
+    shutil.copy(new, old)
+    with closing(sqlite3.connect(old)) as c, c:  # old lacks kda.*: they sort first, as additions in new
+        c.execute("DELETE FROM winners WHERE problem_id IN (SELECT id FROM problems WHERE op LIKE 'kda.%')")
+    with closing(sqlite3.connect(new)) as c, c:
+        key = c.execute("SELECT p.key FROM winners w JOIN problems p ON p.id = w.problem_id WHERE p.op = "
+                        "'moe.shared_w13' ORDER BY p.key DESC LIMIT 1").fetchone()[0]
+        c.execute("UPDATE winners SET median_us = 2 * median_us WHERE problem_id = (SELECT id FROM problems "
+                  "WHERE key = ?) AND hardware_id = (SELECT min(id) FROM hardware)", (key,))
+    assert main(["db", "diff", str(old), str(new), "--json"]) == 1
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert [r["change"] for r in rows[:1]] == ["regression"] and rows[0]["problem"] == key
+    assert {r["change"] for r in rows[1:]} == {"added"}
+    assert main(["db", "diff", str(old), str(new)]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split("┃")[2].strip() for line in out if line.startswith("┃")] == ["hardware"]
+    body = [line for line in out if line.startswith("│")]
+    assert body[0].split("│")[1].strip() == "regression"
+    assert {line.split("│")[2].strip().split(" [")[0] for line in body} >= {"sim:NVIDIA GB300|cc10.3|160sm|288GiB"}
+
+
 def test_db_redo_marks_winners_for_the_next_sweep_and_refuses_a_pattern_matching_nothing(tmp_path, capsys):
     """`k3tune db redo` (was bench/redo_problems.py, which the sweep's own advice named though a pip install has no
     bench/): the matching problems' winners marked, the next sweep decides exactly those again; a pattern matching

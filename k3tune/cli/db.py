@@ -223,10 +223,13 @@ def diff(a: Annotated[str, typer.Argument(help="Baseline database.")],
                           "(a changed measurer or the libraries it times through): their times differ by the "
                           "measurer too (rows marked 'timed differently')")
         if d["rows"]:  # every problem that is not the same (the first 200; --json has them all)
-            t = Table("change", "problem", "a us", "b us", "ratio", "note")
+            # regressions first; the hardware is named where the databases hold more than one
+            several = len({(r["hardware"], r["backend"]) for r in d["rows"]}) > 1
+            t = Table("change", *(["hardware"] if several else []), "problem", "a us", "b us", "ratio", "note")
             for r in d["rows"][:200]:
                 style = "red" if r["change"] == "regression" else None
-                t.add_row(r["change"], escape(r["problem"]), f"{r['a']:.2f}" if r.get("a") else "-",
+                hw = [escape(f"{r['hardware']} [{r['backend']}]")] if several else []
+                t.add_row(r["change"], *hw, escape(r["problem"]), f"{r['a']:.2f}" if r.get("a") else "-",
                           f"{r['b']:.2f}" if r.get("b") else "-", str(r.get("ratio", "-")),
                           "timed differently" if r.get("timing") == "differs" else "", style=style)
             console.print(t)

@@ -142,4 +142,8 @@ def diff(a: Database, b: Database) -> dict:
             rows.append(dict(hardware=k[0], problem=k[1], backend=k[2], change=change, a=x["median_us"],
                              b=y["median_us"], ratio=round(ratio, 4), a_kernel=f"{x['family']} {x['params']}",
                              b_kernel=f"{y['family']} {y['params']}", timing="differs" if differs else "same"))
+    rows.sort(key=lambda r: _CHANGE_ORDER[r["change"]])  # regressions first: a long list of additions must not hide them
     return {"counts": dict(counts), "timed_differently": timed_differently, "rows": rows}
+
+
+_CHANGE_ORDER = {"regression": 0, "improvement": 1, "changed": 2, "removed": 3, "added": 4}
