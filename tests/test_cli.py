@@ -387,10 +387,13 @@ def test_lookup_hardware_serves_that_gpus_database(tmp_path, monkeypatch, capsys
     assert {o["source"] for o in look["ops"]} == {"heuristic default"}
 
 
-def test_export_and_merge_refuse_to_overwrite_a_source_or_write_a_url(tmp_path, capsys):
+def test_export_and_merge_refuse_to_overwrite_a_source_or_write_a_url(tmp_path, capsys, monkeypatch):
     """`db export a.sqlite a.sqlite` replaced the sweep's database with its winners (every trial lost), and an
-    export to a URL wrote a file at ./postgresql:/...: both are one-line errors now, and the source is untouched."""
+    export to a URL wrote a file at ./postgresql:/...: both are one-line errors now, and the source is untouched.
+    Until s62 `db merge` to a URL still wrote ./postgresql:/u:pw@h/k3tune (and said it had merged into the URL)."""
     import sqlite3
+
+    monkeypatch.chdir(tmp_path)  # where a collapsed URL would have become a file
 
     db = tmp_path / "a.sqlite"
     assert main(["sweep", "--simulate", "gb300", "--spec", "smoke", "--db", str(db), "--json"]) == 0
@@ -402,9 +405,24 @@ def test_export_and_merge_refuse_to_overwrite_a_source_or_write_a_url(tmp_path, 
         assert main(argv) == 4
         assert "is also a source" in capsys.readouterr().err
     assert sqlite3.connect(db).execute("SELECT count(*) FROM trials").fetchone()[0] == trials
-    assert main(["db", "export", str(db), "postgresql://u@h/k3tune"]) == 4
-    assert "give a path" in capsys.readouterr().err
+    for verb in (["export", str(db)], ["merge"]):
+        argv = ["db", verb[0], *verb[1:], "postgresql://u:pw@h/k3tune", *([str(db)] if verb == ["merge"] else [])]
+        assert main(argv) == 4, argv
+        err = capsys.readouterr().err
+        assert "give a path, not postgresql://u:***@h/k3tune" in err and "pw" not in err
     assert not [p for p in tmp_path.rglob("*") if "postgresql" in str(p)]
+
+
+def test_a_database_urls_password_stays_out_of_every_message(capsys):
+    """Errors about a PostgreSQL database quoted its URL whole, password included, into the operator's terminal and
+    logs (`cannot read database postgresql://tuner:<password>@...`); they show it as SQLAlchemy hides it now."""
+    url = "postgresql://tuner:sekrit@127.0.0.1:1/k3tune"  # nothing listens on port 1: refused at once
+    for argv in (["db", "report", url], ["db", "verify", url], ["sweep", "--simulate", "gb300", "--spec", "smoke",
+                                                               "--db", url], ["lookup", "--tp", "8", "--batch", "1",
+                                                                              "--db", url]):
+        assert main(argv) != 0, argv
+        out = capsys.readouterr()
+        assert "sekrit" not in out.out + out.err and "tuner:***@127.0.0.1:1" in out.out + out.err, argv
 
 
 def test_merge_reports_the_trials_it_added_and_diff_summarises_in_words(tmp_path, capsys):

@@ -14,7 +14,7 @@ from k3tune import settings
 from k3tune.cli.common import ConfigOption, JsonOption, SpecOption, console, print_json, require_db
 from k3tune.plan import model as models, spec as specs
 from k3tune.runtime import Selector
-from k3tune.store.db import open_for_serving
+from k3tune.store.db import open_for_serving, shown_url
 
 LOCAL_DB = Path("k3tune.sqlite")  # relative: the working directory's, as `k3tune sweep` writes it
 
@@ -58,14 +58,15 @@ def lookup(
     finally:
         log.removeHandler(quiet)
     bucket = sel.context_bucket(context)  # the one MLA's choices are served from
+    shown = shown_url(db) if db and "://" in db else db or "shipped"  # a URL's password stays out of the output
     if json:
         print_json({"deployment": dict(tp=tp, batch=batch, draft=draft, dcp=dcp, context=context or bucket,
                                        context_bucket=bucket),
-                    "db": db or "shipped", "table_hash": sel.hash, "warnings": sel.warnings, "ops": [c.as_dict() for c in choices.values()]})
+                    "db": shown, "table_hash": sel.hash, "warnings": sel.warnings, "ops": [c.as_dict() for c in choices.values()]})
         return
     t = Table(title=f"tp {tp} batch {batch} draft {draft} dcp {dcp} "
               f"context {context or bucket}{'' if context in (None, bucket) else f' (bucket {bucket})'} "
-              f"(db {escape(db or 'shipped')}, table {sel.hash})")
+              f"(db {escape(shown)}, table {sel.hash})")
     for name in ("op", "kernel"):  # names whole on a narrow terminal: the knobs wrap instead
         t.add_column(name, no_wrap=True)
     t.add_column("knobs")

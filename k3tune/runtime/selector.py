@@ -88,7 +88,7 @@ def _measured_fingerprint(db, name: str) -> tuple[Fingerprint | None, str]:
     except (DatabaseError, SQLAlchemyError) as e:
         return None, f"cannot use tuning database: {str(e).splitlines()[0]}"
     if h is None:
-        return None, f"{db}: no measured winners of {name}"
+        return None, f"{d.name}: no measured winners of {name}"
     return Fingerprint(h.name, h.compute_capability, h.sm_count, h.memory_gib, h.driver, h.cuda, False), ""
 
 

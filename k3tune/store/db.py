@@ -20,8 +20,8 @@ from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import create_engine, event, inspect, text
-from sqlalchemy.engine import Engine
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from k3tune.errors import DatabaseError, SchemaError
@@ -70,6 +70,14 @@ def to_url(target: str | os.PathLike) -> tuple[str, Path | None]:
         return s, None
     p = Path(s).expanduser().resolve()
     return f"sqlite:///{p}", p
+
+
+def shown_url(url: str) -> str:
+    """A database URL as messages and logs may show it: without its password."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except ArgumentError:  # not parseable: show none of it past the scheme
+        return url.split("://", 1)[0] + "://…"
 
 
 def check_sqlite_file(path: Path) -> None:
@@ -149,10 +157,10 @@ class Database:
     @property
     def name(self) -> str:
         """The file's path, or the URL without its password: what messages and recorded origins may show."""
-        return str(self.path) if self.path is not None else self.engine.url.render_as_string(hide_password=True)
+        return str(self.path) if self.path is not None else shown_url(self.url)
 
     def __repr__(self) -> str:
-        return f"Database({self.engine.url.render_as_string(hide_password=True)})"
+        return f"Database({self.name})"
 
     def close(self) -> None:
         """Fold SQLite's WAL file into the database file (a copy of the file alone then holds every committed
@@ -178,7 +186,7 @@ class Database:
                 url = f"sqlite:///file:{self.path}?mode=ro&uri=true"
             engine = create_engine(url, connect_args={"timeout": BUSY_TIMEOUT_S, "check_same_thread": False})
         except (SQLAlchemyError, ImportError) as e:
-            raise DatabaseError(f"cannot open database {self.url}: {e}") from None
+            raise DatabaseError(f"cannot open database {self.name}: {e}") from None
         readonly = self.readonly
 
         @event.listens_for(engine, "connect")
@@ -204,7 +212,7 @@ class Database:
             with self.engine.connect() as conn:
                 return MigrationContext.configure(conn).get_current_revision()
         except (SQLAlchemyError, sqlite3.DatabaseError) as e:
-            raise DatabaseError(f"cannot read database {self.url}: {_short(e)}") from None
+            raise DatabaseError(f"cannot read database {self.name}: {_short(e)}") from None
 
     def ensure_schema(self, create: bool) -> None:
         try:
@@ -212,13 +220,13 @@ class Database:
             if rev is None:
                 tables = inspect(self.engine).get_table_names()
                 if tables:
-                    raise SchemaError(f"{self.url}: has tables {tables[:4]} but no k3tune schema version")
+                    raise SchemaError(f"{self.name}: has tables {tables[:4]} but no k3tune schema version")
                 if not create:
-                    raise SchemaError(f"{self.url}: empty database (no k3tune schema)")
+                    raise SchemaError(f"{self.name}: empty database (no k3tune schema)")
                 self.migrate()
                 return
         except (SQLAlchemyError, sqlite3.DatabaseError) as e:
-            raise DatabaseError(f"cannot read database {self.url}: {_short(e)}") from None
+            raise DatabaseError(f"cannot read database {self.name}: {_short(e)}") from None
         head = head_revision()
         if rev == head:
             return
@@ -235,7 +243,7 @@ class Database:
                 cfg.attributes["connection"] = conn
                 command.upgrade(cfg, revision)
         except SQLAlchemyError as e:
-            raise DatabaseError(f"migration failed on {self.url}: {_short(e)}") from None
+            raise DatabaseError(f"migration failed on {self.name}: {_short(e)}") from None
 
     # ---- sessions -----------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -250,7 +258,7 @@ class Database:
             s.commit()
         except SQLAlchemyError as e:
             s.rollback()
-            raise DatabaseError(f"database error on {self.url}: {_short(e)}") from None
+            raise DatabaseError(f"database error on {self.name}: {_short(e)}") from None
         finally:
             s.close()
             _SESSIONS[0] -= main

@@ -18,16 +18,21 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from k3tune.errors import DatabaseError
-from k3tune.store.db import Database, leave_wal_mode
+from k3tune.store.db import Database, leave_wal_mode, shown_url
 from k3tune.store.models import Hardware, ProblemRow, Run, Software, Trial, Winner
 from k3tune.store.records import insert_ignore
+
+
+def _refuse_url(dest: str | os.PathLike) -> None:
+    """Before any resolving: a path collapses a URL's "//" (export had made ./postgresql:/u@h/db, and merge did)."""
+    if "://" in str(dest):
+        raise DatabaseError(f"export and merge write SQLite files; give a path, not {shown_url(str(dest))}")
 
 
 @contextlib.contextmanager
 def atomic_sqlite(dest: str | os.PathLike, start_from: Path | None = None) -> Iterator[Database]:
     """A fresh (or copied) SQLite database at a temp path that replaces ``dest`` only on success."""
-    if "://" in str(dest):  # before resolving: a path collapses the URL's "//" (it had made ./postgresql:/u@h/db)
-        raise DatabaseError(f"export and merge write SQLite files; give a path, not {dest}")
+    _refuse_url(dest)
     dest = Path(dest).resolve()
     dest.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
@@ -180,8 +185,7 @@ def copy_records(src: Database, dst: Database, *, origin: str, trials: bool, har
 
 def _refuse_onto(dest: str | os.PathLike, sources: list[Database]) -> None:
     """A destination that is one of the sources is bad input."""
-    if "://" in str(dest):
-        return  # atomic_sqlite refuses it
+    _refuse_url(dest)
     target = Path(dest).resolve()
     for src in sources:
         if src.path is not None and (src.path.resolve() == target or (target.exists() and src.path.exists()
