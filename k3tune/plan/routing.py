@@ -16,7 +16,9 @@ The problem key names a trace as ``trace:STEM@SHA8`` (its content digest): a cha
 from __future__ import annotations
 
 import hashlib
+import heapq
 import json
+import math
 import random
 from dataclasses import dataclass
 from functools import cache
@@ -88,8 +90,8 @@ def canonical(spec: str, experts: int, top_k: int) -> str:
             a = float(s[5:])
         except ValueError:
             a = -1.0
-        if not a > 0:
-            raise ConfigError(f"routing '{spec}': zipf needs a positive exponent, e.g. zipf:1.2")
+        if not (a > 0 and math.isfinite(a)):
+            raise ConfigError(f"routing '{spec}': zipf needs a positive, finite exponent, e.g. zipf:1.2")
         return f"zipf:{a:g}"
     if s.startswith("trace:"):
         t = load_trace(s[6:])
@@ -101,9 +103,28 @@ def canonical(spec: str, experts: int, top_k: int) -> str:
 
 
 def _zipf_weights(experts: int, a: float) -> list[float]:
-    w = [1 / (i + 1) ** a for i in range(experts)]
+    w = [math.exp(-a * math.log(i + 1)) for i in range(experts)]  # a steep skew underflows to 0, never overflows
     tot = sum(w)
     return [x / tot for x in w]
+
+
+def _distinct_by_weight(w: list[float], a: float, top_k: int, rng: random.Random, rounds: int = 64) -> set[int]:
+    """top_k distinct experts, each next one drawn in proportion to its weight among those not yet chosen.
+
+    Draws with replacement, repeats discarded, while that is cheap; a steep skew leaves the tail so unlikely
+    that this would run for minutes (zipf:5, 8 tokens: 39 s) or forever (the weights underflow), so the rest are
+    then drawn by the Gumbel top-k trick on log-weights, which gives the same distribution: what is left of a
+    draw without replacement is a draw without replacement from the experts not yet chosen."""
+    chosen: set[int] = set()
+    experts = range(len(w))
+    for _ in range(rounds):
+        chosen.update(rng.choices(experts, weights=w, k=top_k - len(chosen)))
+        if len(chosen) == top_k:
+            return chosen
+    rest = (e for e in experts if e not in chosen)  # log w_e = -a log(e + 1) - log(sum): the sum is common
+    chosen.update(heapq.nlargest(top_k - len(chosen), rest,
+                                 key=lambda e: -a * math.log(e + 1) - math.log(rng.expovariate(1.0) or 1e-300)))
+    return chosen
 
 
 @cache
@@ -133,16 +154,11 @@ def sample(routing: str, experts: int, top_k: int, tokens: int, rng: random.Rand
     if routing == "uniform":
         return [rng.sample(range(experts), top_k) for _ in range(tokens)]
     if routing.startswith("zipf:"):
-        w = _zipf_weights(experts, float(routing[5:]))
+        a = float(routing[5:])
+        w = _zipf_weights(experts, a)
         perm = list(range(experts))
         rng.shuffle(perm)  # which experts are popular is itself random
-        out = []
-        for _ in range(tokens):
-            chosen: set[int] = set()
-            while len(chosen) < top_k:
-                chosen.update(rng.choices(range(experts), weights=w, k=top_k - len(chosen)))
-            out.append([perm[e] for e in chosen])
-        return out
+        return [[perm[e] for e in _distinct_by_weight(w, a, top_k, rng)] for _ in range(tokens)]
     if routing.startswith("trace:"):
         t = load_trace(routing[6:].split("@")[0])
         start = rng.randrange(len(t.tokens))
