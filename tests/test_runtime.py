@@ -80,7 +80,7 @@ def test_a_context_above_every_bucket_is_served_the_largest_with_a_word(smoke_db
     c = sel.lookup("mla.decode", 16, 8, 0, 1, top + 1)
     assert sel.lookup("mla.decode", 16, 1, 0, 1, 4 * top).source == "simulated"
     assert c == sel.lookup("mla.decode", 16, 8, 0, 1, top) and sel.context_bucket(top + 1) == top
-    assert sel.warnings == [f"mla.decode: context {top + 1} is above the largest tuned context bucket {top}; "
+    assert sel.warnings == [f"mla.decode: context {top + 1} is above the spec's largest context bucket {top}; "
                             "serving that bucket's choice (add a longer context to the sweep spec's matrix to tune it)"]
 
 

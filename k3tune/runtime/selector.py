@@ -329,7 +329,7 @@ class Selector:
         ctx = self.context_bucket(context)
         if context > ctx and op + "@context" not in self._warned:
             self._warned.add(op + "@context")
-            self._warn(f"{op}: context {context} is above the largest tuned context bucket {ctx}; serving that "
+            self._warn(f"{op}: context {context} is above the spec's largest context bucket {ctx}; serving that "
                        "bucket's choice (add a longer context to the sweep spec's matrix to tune it)")
         return ctx
 
