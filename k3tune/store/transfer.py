@@ -220,8 +220,19 @@ def export(src: Database, dest: str | os.PathLike, *, hardware: str | None = Non
     _refuse_onto(dest, [src])  # the export would replace the source with its winners: every trial lost
     if not force:
         _refuse_to_replace(dest)
+    if hardware:  # a misspelt name exported nothing, over an earlier export
+        with src.session() as s:
+            keys = sorted(s.scalars(select(Hardware.class_key).where(Hardware.id.in_(select(Winner.hardware_id)))))
+        if not [k for k in keys if hardware in k]:
+            raise DatabaseError(f"--hardware {hardware!r} matches no hardware with winners in {src.name} (has: "
+                                f"{', '.join(keys) or 'none'}); the name is matched case-sensitively")
     with atomic_sqlite(dest) as out:
-        return copy_records(src, out, origin=src.name, trials=False, hardware=hardware, keep=keep)
+        st = copy_records(src, out, origin=src.name, trials=False, hardware=hardware, keep=keep)
+        if not st.winners_added:  # raised inside: the temp file is dropped, dest left as it was
+            raise DatabaseError(f"nothing to export from {src.name}: no current winners"
+                                + (f" ({st.winners_dropped} stale left out; --stale exports them)"
+                                   if st.winners_dropped else ""))
+        return st
 
 
 def merge(dest: str | os.PathLike, sources: list[Database], newer: bool = False) -> CopyStats:
