@@ -297,11 +297,13 @@ def test_unknown_extra_family_on_the_command_line_is_one_line(tmp_path):
     import subprocess
     import sys
 
-    env = {**os.environ, "K3TUNE_EXTRA_FAMILIES": "gemm.nosuch"}
-    out = subprocess.run([sys.executable, "-m", "k3tune", "plan"], env=env, capture_output=True, text=True,
-                         timeout=120, cwd=tmp_path)
-    assert out.returncode != 0
     from k3tune.kernels import STAGED
 
-    assert out.stderr.strip().splitlines() == [
-        f"error: K3TUNE_EXTRA_FAMILIES names 'gemm.nosuch', which is no staged family (staged: {', '.join(STAGED) or 'none'})"]
+    env = {**os.environ, "K3TUNE_EXTRA_FAMILIES": "gemm.nosuch"}
+    for argv in (["plan"], ["sweep", "--simulate", "gb300", "--spec", "smoke", "--db", "s.sqlite"]):
+        out = subprocess.run([sys.executable, "-m", "k3tune", *argv], env=env, capture_output=True, text=True,
+                             timeout=120, cwd=tmp_path)
+        assert out.returncode != 0
+        assert out.stderr.strip().splitlines() == [
+            f"error: K3TUNE_EXTRA_FAMILIES names 'gemm.nosuch', which is no staged family (staged: {', '.join(STAGED) or 'none'})"]
+    assert not list(tmp_path.iterdir())  # the sweep refused before it made a database (it had left an empty one)

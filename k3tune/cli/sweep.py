@@ -15,7 +15,7 @@ from k3tune import settings
 from k3tune.cli.common import ConfigOption, DbOption, JsonOption, SpecOption, console, db_target, print_json
 from k3tune.errors import ConfigError, HardwareError
 from k3tune.plan import hardware, model as models, problems, spec as specs
-from k3tune.search.driver import SweepOptions, SweepStats, check_whole_knobs, run_sweep
+from k3tune.search.driver import SweepOptions, SweepStats, check_before_database, run_sweep
 from k3tune.shipped import tuning_db_dir
 from k3tune.store.db import interrupts_between_sessions, open_db
 
@@ -86,7 +86,7 @@ def sweep(
         raise ConfigError(f"--trial-timeout must be more than 0 seconds, not {trial_timeout}")
     if not lease >= MIN_LEASE_S:  # claims renew every lease / 3: shorter, another machine takes live problems over
         raise ConfigError(f"--lease must be at least {MIN_LEASE_S:.0f} seconds, not {lease}")
-    check_whole_knobs(sp, plan.problems, backend)  # before a database is made
+    check_before_database(sp, plan.problems, backend)
     target = db_target(db)
     if "://" not in target and Path(target).resolve().parent == tuning_db_dir().resolve():
         raise ConfigError(f"{target}: tuning_db/ is read-only shipped data; sweep into another database and "

@@ -86,6 +86,11 @@ def _check_extra() -> None:
         raise ConfigError(_EXTRA_ERROR[0])
 
 
+def check_backend(backend: str) -> None:
+    """A bad K3TUNE_EXTRA_FAMILIES or backend: ConfigError (a sweep asks before it opens its database)."""
+    _check_backend(backend)
+
+
 def _check_backend(backend: str) -> None:
     _check_extra()
     if backend not in BACKENDS:

@@ -28,7 +28,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from k3tune.errors import ConfigError, HardwareError
-from k3tune.kernels import FAMILIES, LANDED_ON, STAGED, families_for, op_digest
+from k3tune.kernels import FAMILIES, LANDED_ON, STAGED, check_backend, families_for, op_digest
 from k3tune.kernels.gemm_smallm import current_arch
 from k3tune.plan import hardware, model as models, problems as plans, spec as specs
 from k3tune.plan.hardware import Fingerprint, HardwareSpec
@@ -216,6 +216,12 @@ def _merged(a: SweepStats, b: SweepStats) -> SweepStats:
             v = x + y
         setattr(out, f.name, v)
     return out
+
+
+def check_before_database(spec: SweepSpec, problems: list[plans.Problem], backend: str) -> None:
+    """What a sweep can refuse before it makes a database (a bad K3TUNE_EXTRA_FAMILIES had left an empty one)."""
+    check_backend(backend)
+    check_whole_knobs(spec, problems, backend)
 
 
 def check_whole_knobs(spec: SweepSpec, problems: list[plans.Problem], backend: str) -> None:
