@@ -272,6 +272,16 @@ def test_an_export_stays_in_rollback_mode_through_verify_and_lookup(tmp_path, ca
     assert sorted(p.name for p in tmp_path.glob("out.sqlite*")) == ["out.sqlite"]
 
 
+def test_warm_from_into_a_database_that_does_not_exist_is_refused_before_making_it(tmp_path, capsys):
+    """`--warm-from` seeds from another GPU's winners in the database swept into; naming a new file made an empty
+    database there and then said it held no such hardware. Now nothing is made."""
+    db = tmp_path / "h100.sqlite"
+    assert main(["sweep", "--simulate", "h100", "--spec", "smoke", "--db", str(db), "--warm-from", "H200"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --warm-from H200:") and "does not exist" in err and len(err.splitlines()) == 1
+    assert not list(tmp_path.iterdir())
+
+
 def test_shipped_h100_database_is_current():
     """The H100's own table, swept on an H100 from the H200's winners (`--warm-from H200`; sessions 48-49), then
     re-swept with `gemm.wgmma_cktrig` (sessions 57-58, landed on the H100 only): current, covering its specs."""

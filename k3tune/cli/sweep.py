@@ -91,6 +91,9 @@ def sweep(
     if "://" not in target and Path(target).resolve().parent == tuning_db_dir().resolve():
         raise ConfigError(f"{target}: tuning_db/ is read-only shipped data; sweep into another database and "
                           "`k3tune db export` it there")
+    if warm_from and "://" not in target and not Path(target).exists():  # else an empty file is left behind
+        raise ConfigError(f"--warm-from {warm_from}: {target} does not exist; it seeds from another GPU's winners in "
+                          "the database swept into (e.g. a copy of tuning_db/h200.sqlite)")
     database = open_db(target)
     # the run's record is copied into exports: a URL's password stays out of it
     argv = [a.replace(target, database.name) for a in sys.argv[1:]] if database.path is None else sys.argv[1:]
