@@ -143,7 +143,7 @@ def _spec_names(digests: list[str]) -> list[str]:
 @app.command()
 def export(src: Annotated[str, typer.Argument(help="Database to export from.")],
            dest: Annotated[str, typer.Argument(help="SQLite file to write (replaced atomically).")],
-           hardware: Annotated[str | None, typer.Option(help="Only hardware whose class key contains this, e.g. 'H200'.")] = None,
+           hardware: Annotated[str | None, typer.Option(help="Only hardware whose class key contains this (in any case), e.g. 'H200'.")] = None,
            stale: Annotated[bool, typer.Option(help="Also export winners whose kernels changed since tuning.")] = False,
            force: Annotated[bool, typer.Option(help="Replace DEST even if it holds trials (a sweep's database).")] = False,
            json: JsonOption = False) -> None:

@@ -142,7 +142,7 @@ def copy_records(src: Database, dst: Database, *, origin: str, trials: bool, har
     stats = CopyStats()
     with src.session() as s, dst.session() as d:
         ids = _IdMap(s, d, origin)
-        hw_filter = [Winner.hardware_id.in_(select(Hardware.id).where(Hardware.class_key.contains(hardware)))] if hardware else []
+        hw_filter = [Winner.hardware_id.in_(select(Hardware.id).where(Hardware.class_key.icontains(hardware)))] if hardware else []
         for w in s.scalars(select(Winner).where(*hw_filter)):
             if keep is not None and not keep(s.get(ProblemRow, w.problem_id).op, w.op_digest, w.backend.value,
                                              s.get(Hardware, w.hardware_id).class_key):
@@ -165,7 +165,7 @@ def copy_records(src: Database, dst: Database, *, origin: str, trials: bool, har
         if trials:
             q = select(Trial)
             if hardware:
-                q = q.where(Trial.hardware_id.in_(select(Hardware.id).where(Hardware.class_key.contains(hardware))))
+                q = q.where(Trial.hardware_id.in_(select(Hardware.id).where(Hardware.class_key.icontains(hardware))))
             count = select(func.count()).select_from(Trial)
             before, seen, batch = d.scalar(count), 0, []
             for t in s.scalars(q.execution_options(yield_per=2000)):
@@ -223,9 +223,9 @@ def export(src: Database, dest: str | os.PathLike, *, hardware: str | None = Non
     if hardware:  # a misspelt name exported nothing, over an earlier export
         with src.session() as s:
             keys = sorted(s.scalars(select(Hardware.class_key).where(Hardware.id.in_(select(Winner.hardware_id)))))
-        if not [k for k in keys if hardware in k]:
+        if not [k for k in keys if hardware.lower() in k.lower()]:  # as copy_records matches: in any case
             raise DatabaseError(f"--hardware {hardware!r} matches no hardware with winners in {src.name} (has: "
-                                f"{', '.join(keys) or 'none'}); the name is matched case-sensitively")
+                                f"{', '.join(keys) or 'none'})")
     with atomic_sqlite(dest) as out:
         st = copy_records(src, out, origin=src.name, trials=False, hardware=hardware, keep=keep)
         if not st.winners_added:  # raised inside: the temp file is dropped, dest left as it was
