@@ -359,3 +359,18 @@ def test_reopening_in_one_process_keeps_committed_trials(tmp_path):
     with sqlite3.connect(path) as c:
         assert c.execute("select count(*) from trials").fetchone()[0] == 500
         assert c.execute("pragma integrity_check").fetchone()[0] == "ok"
+
+
+def test_export_names_its_hardware_in_any_case_on_either_database(any_db_url, tmp_path):
+    """`--hardware gb300` exported the GB300 winners from SQLite (its LIKE ignores case) and none from PostgreSQL,
+    over the earlier export; now both match in any case, and a name matching nothing is refused, DEST untouched."""
+    from k3tune.errors import DatabaseError
+
+    db, hw, pid, _ = _setup(any_db_url)
+    _winner(db, hw, pid, 5.0)
+    for name in ("gb300", "GB300", "Gb3"):
+        assert transfer.export(db, tmp_path / "ship.sqlite", hardware=name).winners_added == 1
+    shipped = (tmp_path / "ship.sqlite").read_bytes()
+    with pytest.raises(DatabaseError, match="matches no hardware with winners"):
+        transfer.export(db, tmp_path / "ship.sqlite", hardware="H200")
+    assert (tmp_path / "ship.sqlite").read_bytes() == shipped
