@@ -115,6 +115,9 @@ def test_a_bare_simulate_means_the_detected_or_configured_hardware(tmp_path, cap
     (["lookup", "--tp", "8", "--batch", "4", "--hardware", "tpu"], "unknown hardware 'tpu'", 3),
     (["sweep", "--simulate", "gb300", "--trial-timeout", "-1"], "--trial-timeout must be more than 0", 2),  # were
     (["sweep", "--simulate", "gb300", "--lease", "0"], "--lease must be at least 10", 2),  # accepted
+    (["sweep", "--simulate", "gb300", "--lease", "inf"], "--lease must be at least 10 and at most 604800", 2),  # a
+    (["sweep", "--simulate", "gb300", "--lease", "1e300"], "--lease must be", 2),  # traceback (OverflowError)
+    (["sweep", "--simulate", "gb300", "--trial-timeout", "inf"], "--trial-timeout must be more than 0 and at most", 2),
 ])
 def test_known_errors_are_one_line(argv, msg, code, capsys):
     assert main(argv) == code

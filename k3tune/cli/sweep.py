@@ -30,6 +30,7 @@ def _visible_gpus() -> int:
 
 
 MIN_LEASE_S = 10.0
+MAX_WAIT_S = 7 * 86400.0  # a week: the longest trial timeout or claim lease a sweep takes
 
 
 def sweep(
@@ -82,10 +83,15 @@ def sweep(
         raise ConfigError("--gpus must be at least 1")
     if compile_procs is not None and compile_procs < 0:
         raise ConfigError("--compile-procs must be 0 or more")
-    if not trial_timeout > 0:  # (not: NaN too) a zero timeout would kill every candidate as hung
-        raise ConfigError(f"--trial-timeout must be more than 0 seconds, not {trial_timeout}")
-    if not lease >= MIN_LEASE_S:  # claims renew every lease / 3: shorter, another machine takes live problems over
-        raise ConfigError(f"--lease must be at least {MIN_LEASE_S:.0f} seconds, not {lease}")
+    # (not: NaN too) a zero timeout would kill every candidate as hung; an endless one lets a hung kernel stop the sweep
+    if not 0 < trial_timeout <= MAX_WAIT_S:
+        raise ConfigError(f"--trial-timeout must be more than 0 and at most {MAX_WAIT_S:.0f} seconds, "
+                          f"not {trial_timeout}")
+    # claims renew every lease / 3: shorter, another machine takes live problems over; an endless one (inf crashed)
+    # would keep a dead machine's problems from every other
+    if not MIN_LEASE_S <= lease <= MAX_WAIT_S:
+        raise ConfigError(f"--lease must be at least {MIN_LEASE_S:.0f} and at most {MAX_WAIT_S:.0f} seconds, "
+                          f"not {lease}")
     check_before_database(sp, plan.problems, backend)
     target = db_target(db)
     if "://" not in target and Path(target).resolve().parent == tuning_db_dir().resolve():
