@@ -148,7 +148,11 @@ class Database:
         self.engine = self._make_engine()
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
         if check_schema:
-            self.ensure_schema(create=create and not readonly)
+            try:
+                self.ensure_schema(create=create and not readonly)
+            except BaseException:  # refused (no schema, an older one): no pooled connection may outlive the refusal,
+                self.engine.dispose()  # or it keeps the file in WAL mode under the `db upgrade` the error suggests
+                raise
 
     @property
     def is_sqlite(self) -> bool:
