@@ -88,10 +88,6 @@ def _check_extra() -> None:
 
 def check_backend(backend: str) -> None:
     """A bad K3TUNE_EXTRA_FAMILIES or backend: ConfigError (a sweep asks before it opens its database)."""
-    _check_backend(backend)
-
-
-def _check_backend(backend: str) -> None:
     _check_extra()
     if backend not in BACKENDS:
         raise ConfigError(f"unknown backend '{backend}' (known: {', '.join(BACKENDS)})")
@@ -99,14 +95,14 @@ def _check_backend(backend: str) -> None:
 
 def _offered(hardware: str | None) -> list[KernelFamily]:
     """FAMILIES, and the staged families landed on ``hardware`` (a class key; None: on no hardware in particular).
-    Its callers have checked K3TUNE_EXTRA_FAMILIES already (``_check_backend``)."""
+    Its callers have checked K3TUNE_EXTRA_FAMILIES already (``check_backend``)."""
     landed = [STAGED[n] for n, keys in LANDED_ON.items() if hardware in keys and n not in FAMILIES]
     return [*FAMILIES.values(), *landed]
 
 
 @functools.cache
 def _candidates(kind: str, backend: str, hardware: str | None = None) -> tuple[KernelFamily, ...]:
-    _check_backend(backend)
+    check_backend(backend)
     found = [f for f in _offered(hardware) if backend in f.backends and kind in f.kinds]
     return tuple(sorted(found, key=lambda f: (f.priority, f.name)))
 
@@ -143,7 +139,7 @@ def _dsl_version() -> str:
 def op_families(op: str, backend: str, hardware: str | None = None) -> list[KernelFamily]:
     """Every family that may serve the op on the backend (whether or not it implements a given shape); with
     ``hardware`` (a class key), the staged families landed on it too."""
-    _check_backend(backend)
+    check_backend(backend)
     kind = OPS[op].kind if op in OPS else op
     return [f for f in _offered(hardware)
             if backend in f.backends and kind in f.kinds and (f.ops is None or op in f.ops)]

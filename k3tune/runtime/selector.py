@@ -107,6 +107,7 @@ class Selector:
         self._ctx_map = {c: c for c in self._ctx} | {None: self._ctx[-1]}
         self._winners: dict[str, dict[str, tuple]] = {}  # op -> problem key -> (family, params, median, label, dims)
         self._warned: set[str] = set()
+        self._warned_context: set[str] = set()  # ops told of a context above every bucket
         self._ops: dict[str, tuple[int, dict]] = {}  # op -> (kind code, table): one dict hit per lookup
         self.hash = ""
 
@@ -327,8 +328,8 @@ class Selector:
     def _served_context(self, op: str, context: int) -> int:
         """A context that is not a bucket: its bucket, with a word (once per op) where it is above them all."""
         ctx = self.context_bucket(context)
-        if context > ctx and op + "@context" not in self._warned:
-            self._warned.add(op + "@context")
+        if context > ctx and op not in self._warned_context:
+            self._warned_context.add(op)
             self._warn(f"{op}: context {context} is above the spec's largest context bucket {ctx}; serving that "
                        "bucket's choice (add a longer context to the sweep spec's matrix to tune it)")
         return ctx
