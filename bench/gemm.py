@@ -141,6 +141,7 @@ def main() -> None:
     ap.add_argument("--db", default="tuning_db/h200.sqlite")
     ap.add_argument("--ms", default="1,2,4,8,16,32,64,128,256,512")
     ap.add_argument("--tps", default="8,16", help="TP sizes (a table swept for one of them: s56-r4)")
+    ap.add_argument("--ops", default="", help="only these dense ops (comma-separated; a cut run's rest)")
     ap.add_argument("--inductor", default="", help="M values at which to also time Inductor's pick (slow)")
     ap.add_argument("--samples", type=int, default=15, help="replays per variant, split among the rounds")
     ap.add_argument("--rounds", type=int, default=3, help="independent input allocations per variant")
@@ -166,6 +167,9 @@ def main() -> None:
     if not set(tps) <= {8, 16}:
         raise SystemExit(f"--tps: {args.tps}: the dense tables cover TP 8 and 16")
     ind_ms = {int(x) for x in args.inductor.split(",") if x}
+    ops = [o for o in DENSE_OPS if not args.ops or o in args.ops.split(",")]
+    if args.ops and set(args.ops.split(",")) - set(DENSE_OPS):
+        raise SystemExit(f"--ops: not dense ops: {sorted(set(args.ops.split(',')) - set(DENSE_OPS))}")
     sp = specs.load()
     model = models.load()
     sel = Selector.load(args.db, spec=sp, model=model)
@@ -175,7 +179,7 @@ def main() -> None:
     rows, seen = [], set()
     cublas = family("gemm.cublas")
     for tp in tps:
-        for op in DENSE_OPS:
+        for op in ops:
             for m in ms:
                 # tokens per step m: batch m (m <= 64), else batch 64 with draft m/64 - 1
                 batch, draft = min(m, 64), max(0, m // 64 - 1)
