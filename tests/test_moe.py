@@ -507,3 +507,11 @@ def test_bench_weights_quantise_a_slice_of_experts_at_a_time_to_the_same_bits(mo
                                                     strict=True))
     with pytest.raises(ConfigError, match="expert weight format 'fp8'"):
         moe.bench_weights(SMALL, 4, "fp8", 3, "cpu")
+
+
+def test_bench_gemm_ops_filter_refuses_an_unknown_op():
+    """bench/gemm.py --ops (s63: re-running the rows a timeout cut) names dense ops; a typo is a one-line error
+    before any GPU work, not a run that measures nothing."""
+    r = subprocess.run([sys.executable, str(BENCH / "gemm.py"), "--ops", "mla.q_a,mla.qa", "--out", "/dev/null"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "--ops: not dense ops: ['mla.qa']" in r.stderr, r.stderr
