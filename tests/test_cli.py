@@ -113,6 +113,8 @@ def test_a_bare_simulate_means_the_detected_or_configured_hardware(tmp_path, cap
     (["lookup", "--tp", "8", "--batch", "4", "--db", "/nonexistent.sqlite"], "database not found", 4),  # was
     # heuristic defaults behind a warning that no GPU was detected
     (["lookup", "--tp", "8", "--batch", "4", "--hardware", "tpu"], "unknown hardware 'tpu'", 3),
+    (["lookup", "--tp", "8", "--batch", "4", "--hardware", "h200", "--simulate", "h200"], "not both", 2),  # was
+    # heuristic defaults behind a warning that the shipped H200 table holds no simulated winners
     (["sweep", "--simulate", "gb300", "--trial-timeout", "-1"], "--trial-timeout must be more than 0", 2),  # were
     (["sweep", "--simulate", "gb300", "--lease", "0"], "--lease must be at least 10", 2),  # accepted
     (["sweep", "--simulate", "gb300", "--lease", "inf"], "--lease must be at least 10 and at most 604800", 2),  # a

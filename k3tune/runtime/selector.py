@@ -122,6 +122,9 @@ class Selector:
         ``db``, else ``$K3TUNE_SERVE_DB`` (what a sweep's workers read), else the database shipped for that GPU.
         ``routing`` (default ``$K3TUNE_ROUTING``, else the spec's): the expert routing the MoE block serves,
         e.g. ``zipf:1.2``; blocks tuned for it are served, else those tuned for uniform routing (labelled so)."""
+        if simulated and measured_on:  # one table or the other: both served neither (a warning, heuristic defaults)
+            raise ConfigError(f"serve the simulated winners of {simulated} or the measured winners of {measured_on}, "
+                              "not both (--simulate or --hardware)")
         gc_was_on = gc.isenabled()
         gc.disable()  # thousands of small objects, none cyclic: collections would only cost time
         try:
