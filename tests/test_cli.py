@@ -488,6 +488,9 @@ def test_diff_lists_regressions_first_and_names_the_hardware_where_there_are_sev
     body = [line for line in out if line.startswith("│")]
     assert body[0].split("│")[1].strip() == "regression"
     assert {line.split("│")[2].strip().split(" [")[0] for line in body} >= {"sim:NVIDIA GB300|cc10.3|160sm|288GiB"}
+    # the regression is the same kernel timed slower (its median doubled): said so, the choice did not change
+    assert body[0].rstrip().rstrip("│").split("│")[-1].strip() == "same kernel"
+    assert rows[0]["same_kernel"] and rows[0]["a_kernel"] == rows[0]["b_kernel"]
 
 
 def test_db_redo_marks_winners_for_the_next_sweep_and_refuses_a_pattern_matching_nothing(tmp_path, capsys):

@@ -207,7 +207,8 @@ def diff(a: Annotated[str, typer.Argument(help="Baseline database.")],
          b: Annotated[str, typer.Argument(help="Database to compare.")],
          json: JsonOption = False) -> None:
     """Compare two databases problem by problem; regressions (slower beyond the spread) are flagged and
-    make the exit code 1. Problems whose winners were timed by different methods are marked.
+    make the exit code 1. Problems whose winners were timed by different methods, or are the same kernel in both
+    (its time moved, the choice did not), are marked.
 
     Example: k3tune db diff tuning_db/h200.sqlite k3tune.sqlite
     """
@@ -231,7 +232,9 @@ def diff(a: Annotated[str, typer.Argument(help="Baseline database.")],
                 hw = [escape(f"{r['hardware']} [{r['backend']}]")] if several else []
                 t.add_row(r["change"], *hw, escape(r["problem"]), f"{r['a']:.2f}" if r.get("a") else "-",
                           f"{r['b']:.2f}" if r.get("b") else "-", str(r.get("ratio", "-")),
-                          "timed differently" if r.get("timing") == "differs" else "", style=style)
+                          ", ".join(n for n, on in (("same kernel", r.get("same_kernel")),
+                                                    ("timed differently", r.get("timing") == "differs")) if on),
+                          style=style)
             console.print(t)
             if len(d["rows"]) > 200:
                 console.print(f"... and {len(d['rows']) - 200} more (--json lists every one)")

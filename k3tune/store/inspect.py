@@ -141,7 +141,10 @@ def diff(a: Database, b: Database) -> dict:
         if change != "same":
             rows.append(dict(hardware=k[0], problem=k[1], backend=k[2], change=change, a=x["median_us"],
                              b=y["median_us"], ratio=round(ratio, 4), a_kernel=f"{x['family']} {x['params']}",
-                             b_kernel=f"{y['family']} {y['params']}", timing="differs" if differs else "same"))
+                             b_kernel=f"{y['family']} {y['params']}", timing="differs" if differs else "same",
+                             # a regression or gain of the same kernel is its time moving (another machine or day,
+                             # noise), not a better or worse choice: said so, and still counted
+                             same_kernel=(x["family"], x["params"]) == (y["family"], y["params"])))
     rows.sort(key=lambda r: _CHANGE_ORDER[r["change"]])  # regressions first: a long list of additions must not hide them
     return {"counts": dict(counts), "timed_differently": timed_differently, "rows": rows}
 
