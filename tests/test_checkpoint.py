@@ -248,3 +248,8 @@ def test_checkpoint_check_command(tmp_path):
     _shards(ckpt, ck, index=False)
     assert run("--layers", "3", "--tp", "4", "--tp", "2") == (0, {**out, "layers": 1, "tp": [4, 2], "problems": []})
     assert main(["checkpoint", "check", str(ck), "--config", str(tmp_path / "config.json"), "--layers", "2"]) == 2
+    # a backwards range checked no layer and said OK; tp 0 was a ZeroDivisionError traceback, a negative tp passed;
+    # a layer named twice was checked and counted twice
+    for extra in (["--layers", "4-3"], ["--tp", "0"], ["--tp", "-4"]):
+        assert main(["checkpoint", "check", str(ck), "--config", str(tmp_path / "config.json"), *extra]) == 2, extra
+    assert run("--layers", "3,3", "--tp", "4")[1]["layers"] == 1

@@ -21,12 +21,14 @@ def _layers(text: str | None, all_moe: list[int]) -> list[int]:
     try:
         for part in text.split(","):
             lo, _, hi = part.partition("-")
+            if int(hi or lo) < int(lo):  # an empty range checked nothing and said OK
+                raise ConfigError(f"--layers {text!r}: the range {part} runs backwards (write {hi}-{lo})")
             out += range(int(lo), int(hi or lo) + 1)
     except ValueError:
         raise ConfigError(f"--layers {text!r}: expected numbers and ranges, e.g. 1-92 or 3,5") from None
     if bad := sorted(set(out) - set(all_moe)):
         raise ConfigError(f"--layers: {bad[:5]} {'are' if len(bad) > 1 else 'is'} not MoE layers of the config")
-    return out
+    return list(dict.fromkeys(out))  # a layer named twice is checked (and counted) once
 
 
 @app.command("check")
@@ -48,6 +50,8 @@ def check(
     from k3tune.runtime.checkpoint import check_checkpoint, moe_layers, open_source
     from k3tune.runtime.moe import BlockShape
 
+    if bad := [t for t in tp if t < 1]:  # tp 0 was a ZeroDivisionError traceback; a negative one "divided"
+        raise ConfigError(f"--tp must be at least 1, not {bad[0]}")
     raw, cfg_path = read_raw(config)
     shape = BlockShape.from_config(cfg_path)
     which = _layers(layers, moe_layers(raw))
