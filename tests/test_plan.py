@@ -57,6 +57,8 @@ def _spec(**matrix):
     ({"draft": [8]}, "draft length 8"),
     ({"tp": [4], "dcp": [8]}, "dcp 8 invalid for tp 4"),
     ({"batch": "many"}, "list of integers"),
+    ({"ops": []}, "'ops' must be a non-empty list"),  # planned 0 problems, exit 0
+    ({"ops": "kda.o_proj"}, "'ops' must be a non-empty list"),
 ])
 def test_bad_spec_values(matrix, msg):
     with pytest.raises(ConfigError, match=msg):
@@ -102,6 +104,14 @@ def test_misspelt_spec_keys_are_errors_not_defaults(edit, msg):
 def test_tp_must_divide_heads():
     sp = spec.from_dict(_spec(tp=[5], dcp=[1]))
     with pytest.raises(ConfigError, match="tp 5 does not divide"):
+        problems.build(sp, model.load())
+
+
+def test_a_block_is_refused_at_a_tp_the_ops_it_runs_cannot_shard():
+    """moe.block at tp 3 planned (its own widths divide) though the router + latent GEMM it runs (4480 wide) cannot
+    be sharded 3 ways: every block trial would have failed on the GPU."""
+    sp = spec.from_dict({"matrix": {**_spec(tp=[3])["matrix"], "ops": ["moe.block"]}})
+    with pytest.raises(ConfigError, match=r"tp 3 does not divide router \+ latent width \(4480\)"):
         problems.build(sp, model.load())
 
 

@@ -159,6 +159,8 @@ def deployments(spec: SweepSpec) -> Iterator[Deployment]:
 
 def problem_for(o: OpDef, model: ModelConfig, dep: Deployment, spec: SweepSpec) -> Problem:
     validate_deployment_values(dep.tp, dep.batch, dep.dcp, dep.draft)
+    for other in o.runs:  # the block runs these at its deployment: a tp they cannot shard (router + latent 4480 at
+        OPS[other].dims(model, dep, spec)  # tp 3) is refused here, not by every block trial on the GPU
     return Problem(o.name, o.kind, o.dims(model, dep, spec))
 
 

@@ -169,8 +169,9 @@ def from_dict(raw: dict, name: str = "spec") -> SweepSpec:
         raise ConfigError(f"{where}: [search] needs budget >= 1, samples >= 3, patience >= 1, remeasure_top >= 1, "
                           f"polish >= 0, 0 <= safe_margin_pct <= 50, local 0 or 1, neighbours >= 0")
     ops = m.get("ops")
-    if ops is not None and (not isinstance(ops, list) or not all(isinstance(o, str) for o in ops)):
-        raise ConfigError(f"{where}: 'ops' must be a list of op names")
+    if ops is not None and (not isinstance(ops, list) or not ops or not all(isinstance(o, str) for o in ops)):
+        # (an empty list planned 0 problems and `plan` said so with exit 0: leave it out for every op)
+        raise ConfigError(f"{where}: 'ops' must be a non-empty list of op names (leave it out for every op)")
     routing = str(m.get("routing", "uniform"))
     model_cfg = raw.get("model", {}).get("config")
     return SweepSpec(
