@@ -131,6 +131,8 @@ def from_dict(raw: dict, name: str = "spec") -> SweepSpec:
     dcp = _ints(m, "dcp", where, [1])
     draft = _ints(m, "draft", where, [0])
     context = _ints(m, "context", where, [32768])
+    if bad := [t for t in tp if t < 1]:  # (before dcp's check, which called tp 0 a bad dcp)
+        raise ConfigError(f"{where}: tp {bad[0]} must be positive")
     for d in dcp:
         if not any(d <= t and t % d == 0 for t in tp):
             raise ConfigError(f"dcp {d} invalid for tp {'/'.join(map(str, tp))}: dcp must divide tp and be <= tp")
