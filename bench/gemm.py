@@ -167,9 +167,10 @@ def main() -> None:
     if not set(tps) <= {8, 16}:
         raise SystemExit(f"--tps: {args.tps}: the dense tables cover TP 8 and 16")
     ind_ms = {int(x) for x in args.inductor.split(",") if x}
-    ops = [o for o in DENSE_OPS if not args.ops or o in args.ops.split(",")]
-    if args.ops and set(args.ops.split(",")) - set(DENSE_OPS):
-        raise SystemExit(f"--ops: not dense ops: {sorted(set(args.ops.split(',')) - set(DENSE_OPS))}")
+    wanted = set(args.ops.split(",")) if args.ops else set(DENSE_OPS)
+    if unknown := sorted(wanted - set(DENSE_OPS)):
+        raise SystemExit(f"--ops: not dense ops: {unknown}")
+    ops = [o for o in DENSE_OPS if o in wanted]
     sp = specs.load()
     model = models.load()
     sel = Selector.load(args.db, spec=sp, model=model)
