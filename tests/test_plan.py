@@ -1,6 +1,7 @@
 """Plan: model configs, sweep specs, hardware specs and the reduction of deployments to problems."""
 
 import json
+import shutil
 
 import pytest
 
@@ -70,6 +71,17 @@ def test_polish_passes_must_not_be_negative():
     with pytest.raises(ConfigError, match="polish >= 0"):
         spec.from_dict({**_spec(), "search": {"polish": -1}})
     assert spec.from_dict({**_spec(), "search": {"polish": 0}}).search.polish == 0
+
+
+def test_a_folder_is_no_spec_and_a_model_folder_gives_its_config(tmp_path):
+    """`--spec DIR` and `--config DIR` were IsADirectoryError tracebacks; a model's folder (a checkpoint's, as
+    people pass them) now gives its config.json, and a folder without one is a one-line error."""
+    with pytest.raises(ConfigError, match="is a folder: give a TOML file"):
+        spec.load(tmp_path)
+    with pytest.raises(ConfigError, match="is a folder without a config.json"):
+        model.load(tmp_path)
+    shutil.copy(model.configs_dir() / "kimi_k3_config.json", tmp_path / "config.json")
+    assert model.load(tmp_path) == model.load()
 
 
 def test_malformed_toml(tmp_path):

@@ -28,7 +28,8 @@ DbOption = Annotated[str | None, typer.Option("--db", help="Tuning database: a S
                                               "(default: $K3TUNE_DB, else ./k3tune.sqlite).")]
 SpecOption = Annotated[str | None, typer.Option("--spec", help="Sweep spec TOML, or a name from configs/ "
                                                 "(e.g. 'smoke'); default configs/sweep_default.toml.")]
-ConfigOption = Annotated[str | None, typer.Option("--config", help="Model config.json (default: K3's published config).")]
+ConfigOption = Annotated[str | None, typer.Option("--config", help="Model config.json, or a model's folder holding one "
+                                                    "(default: K3's published config).")]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")]
 
 

@@ -117,12 +117,18 @@ def read_raw(path: str | Path | None = None) -> tuple[dict, Path]:
     p = Path(path) if path else configs_dir() / "kimi_k3_config.json"
     if path and not p.exists() and len(p.parts) == 1 and (configs_dir() / p).exists():
         p = configs_dir() / p
+    if p.is_dir():  # a model's folder (a checkpoint's): its config.json (was an IsADirectoryError traceback)
+        if not (p / "config.json").is_file():
+            raise ConfigError(f"model config: {p} is a folder without a config.json")
+        p = p / "config.json"
     try:
         return json.loads(p.read_text()), p
     except FileNotFoundError:
         raise ConfigError(f"model config not found: {p}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{p}: not valid JSON ({e})") from None
+    except OSError as e:  # unreadable (permissions, a device)
+        raise ConfigError(f"model config {p}: cannot be read ({e.strerror or e})") from None
 
 
 def load(path: str | Path | None = None) -> ModelConfig:

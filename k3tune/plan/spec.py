@@ -201,12 +201,16 @@ def load(path: str | Path | None = None) -> SweepSpec:
         p = Path(path)
         if not p.exists() and not p.suffix and (configs_dir() / f"sweep_{path}.toml").exists():
             p = configs_dir() / f"sweep_{path}.toml"
+    if p.is_dir():  # (was an IsADirectoryError traceback)
+        raise ConfigError(f"sweep spec {p} is a folder: give a TOML file or a name from configs/")
     try:
         raw = tomllib.loads(p.read_text())
     except FileNotFoundError:
         raise ConfigError(f"sweep spec not found: {p}") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{p}: malformed TOML ({e})") from None
+    except OSError as e:  # unreadable (permissions, a device)
+        raise ConfigError(f"sweep spec {p}: cannot be read ({e.strerror or e})") from None
     return from_dict(raw, p.stem)
 
 
