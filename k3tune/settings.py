@@ -11,7 +11,7 @@ from pathlib import Path
 class Settings:
     db: str | None  # K3TUNE_DB: path or SQLAlchemy URL of the tuning database
     debug: bool  # K3TUNE_DEBUG=1: full tracebacks from the CLI
-    hardware: str | None  # K3TUNE_HARDWARE: hardware name to assume when none is detected
+    hardware: str | None  # K3TUNE_HARDWARE: the hardware a bare --simulate assumes when no GPU is detected
     ci: bool  # CI=true: tests that need PostgreSQL fail instead of skipping
     routing: str | None  # K3TUNE_ROUTING: the expert routing the served MoE block is tuned for (uniform, zipf:S, trace:F)
     extra_families: tuple[str, ...] = ()  # K3TUNE_EXTRA_FAMILIES=a,b: staged kernel families to offer and key too
