@@ -9,12 +9,17 @@
 # Writes $OUT/new.sqlite (the export to ship), $OUT/split.sqlite.xz (every trial: START_DB for a resume),
 # $OUT/verify.txt, $OUT/diff.json, $OUT/flagged.txt. Usage (device tool, kind nvidia-h200, carry [".carry"]):
 #   bash bench/land_h200.sh
+# A second call that only checks and serves an export fetched from the first (xz-compressed into the tree):
+#   NEW_XZ=bench/s64_new.sqlite.xz bash bench/land_h200.sh
 set -uo pipefail
 G=$(nvidia-smi --query-gpu=name --format=csv,noheader); echo "GPU: $G"; date -u
 case "$G" in *H200*) ;; *) echo "land_h200: not an H200"; exit 0 ;; esac
 t0=$SECONDS
-START_DB=${START_DB:-bench/s63_split.sqlite.xz} RESUME=1 SWEEP_S="${SWEEP_S:-130 130 130}" \
-  POINTS="${POINTS:-mxfp4:8:uniform mxfp4:16:zipf:1.2 mxfp4:8:zipf:1.2}" bash bench/s63_r4.sh
+if [ -n "${NEW_XZ:-}" ]; then xz -dc "$NEW_XZ" > $OUT/new.sqlite || exit 1
+else
+  START_DB=${START_DB:-bench/s63_split.sqlite.xz} RESUME=1 SWEEP_S="${SWEEP_S:-130 130 130}" \
+    POINTS="${POINTS:-mxfp4:8:uniform mxfp4:16:zipf:1.2 mxfp4:8:zipf:1.2}" bash bench/s63_r4.sh
+fi
 source .carry/cutedsl/unpack.sh >/dev/null 2>&1 || exit 1
 export K3TUNE_EXTRA_FAMILIES=gemm.wgmma_cktrig  # the export's winners are current only with the family offered
 for s in h200_dense h200_moe_bf16 h200_moe_bf16_zipf h200_moe_mxfp4 h200_moe_mxfp4_zipf; do
