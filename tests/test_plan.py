@@ -104,6 +104,7 @@ def test_unknown_search_key():
     (lambda r: r.update(buckets={"token": [1, 8]}), r"unknown \[buckets\] keys \['token'\]"),
     (lambda r: r.update(model={"path": "x.json"}), r"unknown \[model\] keys \['path'\]"),
     (lambda r: r.update(model="x.json"), r"\[model\] must be a table"),
+    (lambda r: r.update(model={"config": 5}), r"\[model\] config must be a path"),  # was a TypeError traceback
 ])
 def test_misspelt_spec_keys_are_errors_not_defaults(edit, msg):
     """A spec with `[serch]` (or `drafts = [0, 1]`) swept with the default search settings (or draft 0) without a

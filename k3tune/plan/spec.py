@@ -176,6 +176,8 @@ def from_dict(raw: dict, name: str = "spec") -> SweepSpec:
         raise ConfigError(f"{where}: 'ops' must be a non-empty list of op names (leave it out for every op)")
     routing = str(m.get("routing", "uniform"))
     model_cfg = raw.get("model", {}).get("config")
+    if model_cfg is not None and not isinstance(model_cfg, str):  # (config = 5 was a TypeError traceback)
+        raise ConfigError(f"{where}: [model] config must be a path to a config.json, not {model_cfg!r}")
     return SweepSpec(
         name=str(raw.get("name", name)),
         tp=tp,
