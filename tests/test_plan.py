@@ -91,6 +91,13 @@ def test_malformed_toml(tmp_path):
         spec.load(p)
 
 
+@pytest.mark.parametrize("value", [1.5, True, "3"])
+def test_search_values_are_whole_numbers(value):
+    """budget = 1.5 (or true) swept with a budget of 1 without a word: int() took them."""
+    with pytest.raises(ConfigError, match="values must be integers, not budget = "):
+        spec.from_dict({**_spec(), "search": {"budget": value}})
+
+
 def test_unknown_search_key():
     raw = _spec()
     raw["search"] = {"budgett": 3}

@@ -159,10 +159,11 @@ def from_dict(raw: dict, name: str = "spec") -> SweepSpec:
     whole = s.get("whole", [])
     if not isinstance(whole, list) or not all(isinstance(k, str) and k for k in whole):
         raise ConfigError(f"{where}: [search] whole must be a list of knob names")
-    try:
-        search = SearchSettings(**{k: int(v) for k, v in s.items() if k != "whole"}, whole=tuple(whole))
-    except (TypeError, ValueError):
-        raise ConfigError(f"{where}: [search] values must be integers (whole: a list of knob names)") from None
+    # whole numbers only: int() took budget = 1.5 as 1 and budget = true as 1 without a word
+    if bad := sorted(k for k, v in s.items() if k != "whole" and (isinstance(v, bool) or not isinstance(v, int))):
+        raise ConfigError(f"{where}: [search] values must be integers, not {', '.join(f'{k} = {s[k]!r}' for k in bad)}"
+                          " (whole: a list of knob names)")
+    search = SearchSettings(**{k: v for k, v in s.items() if k != "whole"}, whole=tuple(whole))
     if search.whole and search.polish < 1:
         raise ConfigError(f"{where}: [search] whole is tried by the polish passes: it needs polish >= 1")
     if (search.budget < 1 or search.samples < 3 or search.patience < 1 or search.remeasure_top < 1
