@@ -59,6 +59,7 @@ def _spec(**matrix):
     ({"tp": [4], "dcp": [8]}, "dcp 8 invalid for tp 4"),
     ({"batch": "many"}, "list of integers"),
     ({"tp": [0]}, "tp 0 must be positive"),  # was "dcp 1 invalid for tp 0"
+    ({"batch": {"min": 1.5, "max": 8}}, "range needs integer 'min' and 'max'"),  # was batch 1-8
     ({"ops": []}, "'ops' must be a non-empty list"),  # planned 0 problems, exit 0
     ({"ops": "kda.o_proj"}, "'ops' must be a non-empty list"),
 ])

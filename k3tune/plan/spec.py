@@ -73,10 +73,9 @@ def _ints(section: dict, key: str, where: str, default=None) -> tuple[int, ...]:
     if val is None:
         raise ConfigError(f"{where}: missing '{key}'")
     if isinstance(val, dict):  # {min = 1, max = 64}
-        try:
-            lo, hi = int(val["min"]), int(val["max"])
-        except (KeyError, TypeError, ValueError):
-            raise ConfigError(f"{where}: '{key}' range needs integer 'min' and 'max'") from None
+        lo, hi = val.get("min"), val.get("max")  # whole numbers (int() took min = 1.5 as 1)
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (lo, hi)):
+            raise ConfigError(f"{where}: '{key}' range needs integer 'min' and 'max'")
         val = list(range(lo, hi + 1))
     if isinstance(val, int) and not isinstance(val, bool):
         val = [val]
