@@ -533,6 +533,27 @@ def test_verify_against_another_spec_names_the_specs_the_database_was_swept_with
     assert "trials: none (a winners-only export)" in capsys.readouterr().out
 
 
+def test_verify_names_the_spec_file_of_a_digest_no_configs_spec_has(tmp_path, capsys, monkeypatch):
+    """The shipped H200 table's runs were swept with specs edited since (or temporary ones): `db verify` listed them
+    as bare digests, no clue which `--spec` to check. It now names the --spec each run's command gave."""
+    import sys
+
+    from k3tune.shipped import configs_dir
+
+    spec = tmp_path / "my_spec.toml"
+    spec.write_text((configs_dir() / "sweep_smoke.toml").read_text().replace("budget = 12", "budget = 11"))
+    db = tmp_path / "a.sqlite"
+    argv = ["sweep", "--simulate", "gb300", "--spec", str(spec), "--db", str(db), "--json"]
+    monkeypatch.setattr(sys, "argv", ["k3tune", *argv])  # what the run records as its command
+    assert main(argv) == 0
+    capsys.readouterr()
+    assert main(["db", "verify", str(db)]) == 1
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"this database was swept with spec {spec} (digest " in out, out
+    assert main(["db", "verify", str(db), "--json"]) == 1
+    assert list(json.loads(capsys.readouterr().out)["swept_spec_args"].values()) == [str(spec)]
+
+
 def test_paths_and_names_with_brackets_are_printed_as_they_are(tmp_path, capsys, monkeypatch):
     """Rich read every printed string as markup: a database at `d[/x].sqlite` crashed the sweep at its summary line
     with a MarkupError traceback (after every trial was stored), and bracketed words vanished from what was printed:

@@ -120,7 +120,7 @@ def verify(db: DbArg = None, spec: SpecOption = None, config: ConfigOption = Non
         for hw, c in v.coverage.items():
             console.print(f"coverage of spec {escape(sp.name)} on {escape(hw)}: {c['covered']}/{c['total']}")
         partial = any(c["covered"] < c["total"] for c in v.coverage.values())
-        swept = _spec_names(v.swept_specs)
+        swept = _spec_names(v.swept_specs, v.swept_spec_args)
         if partial and swept and sp.digest() not in v.swept_specs:  # checked against a spec it was not swept with
             console.print(f"note: this database was swept with spec{'s' if len(swept) > 1 else ''} "
                           f"{escape(', '.join(swept))}: `--spec NAME` checks the coverage of one of them")
@@ -129,15 +129,19 @@ def verify(db: DbArg = None, spec: SpecOption = None, config: ConfigOption = Non
         raise typer.Exit(1)
 
 
-def _spec_names(digests: list[str]) -> list[str]:
-    """The configs/ specs (by name) whose digests a database's runs carry; others as their digest."""
+def _spec_names(digests: list[str], args: dict[str, str] | None = None) -> list[str]:
+    """The configs/ specs (by name) whose digests a database's runs carry; others as the --spec their run named
+    (a spec file edited since, or a temporary one) with the digest, else as their digest alone."""
     known = {}
     for f in sorted(specs.configs_dir().glob("sweep_*.toml")):
         try:
             known[specs.load(f).digest()] = f.stem.removeprefix("sweep_")
         except ConfigError:
             continue
-    return sorted((known.get(d, f"(digest {d})") for d in digests if d), key=lambda n: (n.startswith("("), n))
+    args = args or {}
+    named = (known.get(d) or (f"{args[d]} (digest {d})" if d in args else f"(digest {d})")
+             for d in digests if d)
+    return sorted(named, key=lambda n: (n.startswith("("), n))
 
 
 @app.command()

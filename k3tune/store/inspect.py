@@ -3,6 +3,7 @@ and a problem-by-problem diff of two databases with regressions flagged."""
 
 from __future__ import annotations
 
+import shlex
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -52,6 +53,8 @@ class Verification:
     out_of_space: list[str] = field(default_factory=list)
     coverage: dict[str, dict] = field(default_factory=dict)  # hardware class -> {covered, total, missing}
     swept_specs: list[str] = field(default_factory=list)  # the spec digests the database's runs were swept with
+    # digest -> the --spec its first run named (from the run's command): names a spec whose digest no file has now
+    swept_spec_args: dict[str, str] = field(default_factory=dict)
 
     @property
     def readable(self) -> bool:
@@ -67,7 +70,21 @@ class Verification:
         return {"ok": self.ok, "integrity": self.integrity, "schema": self.schema, "schema_ok": self.schema_ok,
                 "winners": self.winners, "stale": self.stale, "stale_by_op": self.stale_by_op,
                 "out_of_space": self.out_of_space,
-                "coverage": self.coverage, "swept_specs": self.swept_specs}
+                "coverage": self.coverage, "swept_specs": self.swept_specs, "swept_spec_args": self.swept_spec_args}
+
+
+def _spec_arg(command: str | None) -> str | None:
+    """The ``--spec`` a run's recorded command named (``--spec X`` or ``--spec=X``), if any."""
+    try:
+        argv = shlex.split(command or "")
+    except ValueError:  # a command cut or quoted oddly: no name, only the digest
+        return None
+    for i, a in enumerate(argv):
+        if a == "--spec" and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith("--spec="):
+            return a.split("=", 1)[1]
+    return None
 
 
 def verify(db: Database, plan: plans.Plan | None = None) -> Verification:
@@ -82,7 +99,11 @@ def verify(db: Database, plan: plans.Plan | None = None) -> Verification:
     with db.session() as s:
         rows = s.execute(select(Winner, ProblemRow, Hardware).join(ProblemRow, ProblemRow.id == Winner.problem_id)
                          .join(Hardware, Hardware.id == Winner.hardware_id)).all()
-        v.swept_specs = sorted(set(s.scalars(select(Run.spec_digest))))
+        runs = s.execute(select(Run.spec_digest, Run.command).order_by(Run.id)).all()
+    v.swept_specs = sorted({d for d, _ in runs})
+    for digest, command in runs:
+        if digest and digest not in v.swept_spec_args and (arg := _spec_arg(command)):
+            v.swept_spec_args[digest] = arg
     have: dict[str, set[str]] = {}
     for w, p, h in rows:
         v.winners += 1
