@@ -129,7 +129,7 @@ def verify(db: DbArg = None, spec: SpecOption = None, config: ConfigOption = Non
         raise typer.Exit(1)
 
 
-def _spec_names(digests: list[str], args: dict[str, str] | None = None) -> list[str]:
+def _spec_names(digests: list[str], args: dict[str, str]) -> list[str]:
     """The configs/ specs (by name) whose digests a database's runs carry; others as the --spec their run named
     (a spec file edited since, or a temporary one) with the digest, else as their digest alone."""
     known = {}
@@ -138,7 +138,6 @@ def _spec_names(digests: list[str], args: dict[str, str] | None = None) -> list[
             known[specs.load(f).digest()] = f.stem.removeprefix("sweep_")
         except ConfigError:
             continue
-    args = args or {}
     named = (known.get(d) or (f"{args[d]} (digest {d})" if d in args else f"(digest {d})")
              for d in digests if d)
     return sorted(named, key=lambda n: (n.startswith("("), n))
