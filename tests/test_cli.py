@@ -110,6 +110,7 @@ def test_a_bare_simulate_means_the_detected_or_configured_hardware(tmp_path, cap
     (["db", "show", "/nonexistent.sqlite"], "database not found", 4),
     (["db", "verify", "/nonexistent.sqlite"], "database not found", 4),  # was a NOT OK verdict "needs db upgrade"
     (["sweep", "--gpus", "0", "--simulate", "gb300"], "--gpus must be at least 1", 2),  # was run on 1 worker
+    (["sweep", "--gpus", "1600", "--simulate", "gb300"], "at most 72 (one NVL72 domain)", 2),  # 1600 processes
     (["lookup", "--tp", "8", "--batch", "4", "--db", "/nonexistent.sqlite"], "database not found", 4),  # was
     # heuristic defaults behind a warning that no GPU was detected
     (["lookup", "--tp", "8", "--batch", "4", "--hardware", "tpu"], "unknown hardware 'tpu'", 3),

@@ -31,6 +31,7 @@ def _visible_gpus() -> int:
 
 MIN_LEASE_S = 10.0
 MAX_WAIT_S = 7 * 86400.0  # a week: the longest trial timeout or claim lease a sweep takes
+MAX_SIMULATED_WORKERS = 72  # one GB300 NVL72 domain; each worker is a process, so a typo (1600) would start 1600
 
 
 def sweep(
@@ -71,6 +72,9 @@ def sweep(
         backend = "simulated"
         hw = hardware.resolve_simulated(simulate, settings.load().hardware)
         workers = 1 if gpus is None else gpus
+        if workers > MAX_SIMULATED_WORKERS:
+            raise ConfigError(f"--gpus {workers} with --simulate starts that many worker processes; "
+                              f"at most {MAX_SIMULATED_WORKERS} (one NVL72 domain)")
     else:
         backend = "gpu"
         visible = _visible_gpus()
