@@ -205,6 +205,10 @@ def test_bad_checkpoints_are_one_line_config_errors(tmp_path):
     (shards / "model-00002-of-00002.safetensors").unlink()
     with pytest.raises(ConfigError, match="shard model-00002-of-00002.safetensors of .* is missing"):
         load_rank_weights(shards, SMALL, tp=1, rank=0, layer=LAYER)
+    from safetensors.torch import save_file  # a stale index: the shard it names lacks the tensor (was a traceback)
+    save_file({"other": torch.zeros(2)}, str(shards / "model-00002-of-00002.safetensors"))
+    with pytest.raises(ConfigError, match="model-00002-of-00002.safetensors holds no tensor .* that the index puts"):
+        load_rank_weights(shards, SMALL, tp=1, rank=0, layer=LAYER)
     renamed = {k.replace("latent_norm", "post_latent_norm"): v for k, v in ckpt.items()}
     w = load_rank_weights(renamed, SMALL, tp=1, rank=0, layer=LAYER,
                           names=TensorNames(latent_norm="model.layers.{layer}.mlp.post_latent_norm.weight"))

@@ -106,8 +106,12 @@ class SafetensorsSource:
         if f not in self._files:
             if not f.exists():
                 raise ConfigError(f"{self.label}: shard {f.name} of {name} is missing")
-            self._files[f] = self._handle(f)
-        return self._files[f].get_slice(name)
+            handle = self._handle(f)
+            self._files[f] = handle, set(handle.keys())
+        handle, names = self._files[f]
+        if name not in names:  # a stale index, e.g. after the shards were re-cut
+            raise ConfigError(f"{self.label}: {f.name} holds no tensor {name} that the index puts there")
+        return handle.get_slice(name)
 
     def __contains__(self, name: str) -> bool:
         return name in self.where
