@@ -209,6 +209,12 @@ def test_bad_checkpoints_are_one_line_config_errors(tmp_path):
     save_file({"other": torch.zeros(2)}, str(shards / "model-00002-of-00002.safetensors"))
     with pytest.raises(ConfigError, match="model-00002-of-00002.safetensors holds no tensor .* that the index puts"):
         load_rank_weights(shards, SMALL, tp=1, rank=0, layer=LAYER)
+    codes = dict(ckpt)  # e8m0 scales stored as fp32 (the right shape) were loaded as they were; kernels read bytes
+    base = N.expert.format(layer=LAYER, expert=0, proj="gate_proj")
+    codes[base + ".weight_packed"], codes[base + ".weight_scale"] = mxfp4.quantize(codes.pop(base + ".weight"))
+    codes[base + ".weight_scale"] = codes[base + ".weight_scale"].float()
+    with pytest.raises(ConfigError, match=r"experts.0.gate_proj.weight_scale is stored as F32, expected U8"):
+        load_rank_weights(codes, SMALL, tp=1, rank=0, layer=LAYER)
     renamed = {k.replace("latent_norm", "post_latent_norm"): v for k, v in ckpt.items()}
     w = load_rank_weights(renamed, SMALL, tp=1, rank=0, layer=LAYER,
                           names=TensorNames(latent_norm="model.layers.{layer}.mlp.post_latent_norm.weight"))
@@ -257,3 +263,14 @@ def test_checkpoint_check_command(tmp_path):
     for extra in (["--layers", "4-3"], ["--tp", "0"], ["--tp", "-4"]):
         assert main(["checkpoint", "check", str(ck), "--config", str(tmp_path / "config.json"), *extra]) == 2, extra
     assert run("--layers", "3,3", "--tp", "4")[1]["layers"] == 1
+    # right shapes in dtypes the block cannot load (e8m0 scales as bf16, an fp8 weight without its scale) passed
+    scale = N.expert.format(layer=LAYER, expert=1, proj="up_proj") + ".weight_scale"
+    ckpt[scale] = ckpt[scale].to(torch.bfloat16)
+    ckpt[N.latent_up.format(layer=LAYER)] = ckpt[N.latent_up.format(layer=LAYER)].to(torch.float8_e4m3fn)
+    for f in ck.iterdir():
+        f.unlink()
+    _shards(ckpt, ck, index=True)
+    rc, out = run("--layers", "3", "--tp", "4")
+    assert rc == 1 and sorted(out["problems"]) == [
+        f"{scale} is stored as BF16, expected U8",
+        f"{N.latent_up.format(layer=LAYER)} is stored as F8_E4M3, expected BF16 or F16 or F32"]

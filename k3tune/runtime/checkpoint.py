@@ -34,6 +34,18 @@ from k3tune.kernels import mxfp4
 from k3tune.runtime.moe import BlockShape, RankWeights
 
 INDEX = "model.safetensors.index.json"
+FLOATS = ("BF16", "F16", "F32")  # converted on load; anything else (F8_E4M3 without its scale, ints) would load wrong
+
+
+def allowed_dtypes(name: str) -> tuple[str, ...]:
+    """The dtypes a tensor of the block may be stored in: MXFP4 codes and e8m0 scales are bytes, the rest floats."""
+    return ("U8",) if name.endswith((".weight_packed", ".weight_scale")) else FLOATS
+
+
+def dtype_problem(src, name: str) -> str | None:
+    """One line if ``name`` is stored in a dtype the block cannot load it from, else None."""
+    got, ok = src.dtype(name), allowed_dtypes(name)
+    return None if got in ok else f"{name} is stored as {got}, expected {' or '.join(ok)}"
 
 
 @dataclass(frozen=True)
@@ -58,6 +70,14 @@ class MappingSource:
 
     def shape(self, name: str) -> tuple:
         return tuple(self.tensors[name].shape)
+
+    def dtype(self, name: str) -> str:
+        """As safetensors names it (U8, BF16, F32, ...)."""
+        import torch
+
+        d = self.tensors[name].dtype
+        return {torch.uint8: "U8", torch.int8: "I8", torch.bfloat16: "BF16", torch.float16: "F16",
+                torch.float32: "F32"}.get(d, str(d).removeprefix("torch.").upper())
 
     def read(self, name: str, rows: slice | None = None, cols: slice | None = None):
         t = self.tensors[name]
@@ -118,6 +138,9 @@ class SafetensorsSource:
 
     def shape(self, name: str) -> tuple:
         return tuple(self._slice(name).get_shape())
+
+    def dtype(self, name: str) -> str:
+        return self._slice(name).get_dtype()
 
     def read(self, name: str, rows: slice | None = None, cols: slice | None = None):
         s = self._slice(name)
@@ -203,6 +226,8 @@ def check_checkpoint(checkpoint, shape: BlockShape, layers, tps=(),
                 problems.append(f"{n} is missing")
             elif (got := src.shape(n)) != expect:
                 problems.append(f"{n} has shape {list(got)}, expected {list(expect)}")
+            elif bad := dtype_problem(src, n):
+                problems.append(bad)
             elif ".experts." in n and n.endswith(".weight") != (stored == "bf16"):
                 problems.append(f"{n}: stored as {'bf16' if stored == 'mxfp4' else 'mxfp4'}, expert 0 as {stored}")
     return problems, sorted(formats)
@@ -237,6 +262,8 @@ def load_rank_weights(checkpoint, shape: BlockShape, tp: int, rank: int, layer: 
         got = src.shape(n)
         if got != want[n]:
             raise ConfigError(f"{src.label}: {n} has shape {list(got)}, expected {list(want[n])}")
+        if bad := dtype_problem(src, n):
+            raise ConfigError(f"{src.label}: {bad}")
         return src.read(n, rows, cols)
 
     def bf16(t):
