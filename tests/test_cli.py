@@ -441,6 +441,23 @@ def test_a_database_urls_password_stays_out_of_every_message(capsys):
         assert "sekrit" not in out.out + out.err and "tuner:***@127.0.0.1:1" in out.out + out.err, argv
 
 
+def test_a_database_server_that_never_answers_fails_the_command(monkeypatch, capsys):
+    """A PostgreSQL server that takes the connection and never answers (overloaded, or the wrong port of a proxy)
+    hung every command forever: libpq waits without a limit unless told."""
+    import socket
+
+    from k3tune.store import db as store_db
+
+    monkeypatch.setattr(store_db, "CONNECT_TIMEOUT_S", 1)
+    with closing(socket.socket()) as mute:  # listens, accepts into its backlog, never speaks
+        mute.bind(("127.0.0.1", 0))
+        mute.listen(4)
+        url = f"postgresql://tuner@127.0.0.1:{mute.getsockname()[1]}/k3tune"
+        for argv in (["db", "show", url], ["lookup", "--tp", "8", "--batch", "1", "--db", url]):
+            assert main(argv) == 4, argv
+            assert "connection timeout expired" in capsys.readouterr().err
+
+
 def test_merge_reports_the_trials_it_added_and_diff_summarises_in_words(tmp_path, capsys):
     """`db merge all.sqlite a.sqlite a.sqlite` said "2324 trials" while the file held 1162: it counted the rows it
     tried to insert, and the duplicates are (rightly) skipped. `db diff` of two equal databases printed a Python

@@ -28,6 +28,7 @@ from k3tune.errors import DatabaseError, SchemaError
 
 MIGRATIONS = Path(__file__).resolve().parent / "migrations"
 BUSY_TIMEOUT_S = 60
+CONNECT_TIMEOUT_S = 30  # PostgreSQL: seconds to connect before the command fails with a one-line error
 
 
 def _alembic_config() -> Config:
@@ -184,7 +185,11 @@ class Database:
     def _make_engine(self) -> Engine:
         try:
             if self.path is None:
-                return create_engine(self.url, pool_pre_ping=True, pool_size=2, max_overflow=4)
+                # a server that takes the connection and never answers hung every command: libpq waits forever
+                # unless told (a connect_timeout in the URL's query wins)
+                return create_engine(self.url, pool_pre_ping=True, pool_size=2, max_overflow=4,
+                                     connect_args={} if "connect_timeout=" in self.url
+                                     else {"connect_timeout": CONNECT_TIMEOUT_S})
             url = self.url
             if self.readonly:
                 url = f"sqlite:///file:{self.path}?mode=ro&uri=true"
