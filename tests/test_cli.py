@@ -521,7 +521,9 @@ def test_db_redo_marks_winners_for_the_next_sweep_and_refuses_a_pattern_matching
     before = hashlib.sha256(db.read_bytes()).hexdigest()
     assert main(["db", "redo", str(db), "nope%"]) != 0
     err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "no problem" in err and "nope%" in err
+    assert err.count("\n") == 0 and "no problem" in err and "nope%" in err and "not * or ?" not in err
+    assert main(["db", "redo", str(db), "kda.o_proj*"]) != 0  # a shell glob: said only "no problem"
+    assert "(SQL LIKE: % for any run of characters, _ for one; not * or ?)" in capsys.readouterr().err
     assert hashlib.sha256(db.read_bytes()).hexdigest() == before
     assert main(["db", "redo", str(tmp_path / "missing.sqlite"), "kda.o_proj[%"]) != 0
     assert "database not found" in capsys.readouterr().err

@@ -32,7 +32,9 @@ def redo(db: Database, patterns: list[str], seeds_from: Database | None = None) 
     with db.session() as s:
         ids = {pid for pat in patterns for (pid,) in s.execute(select(ProblemRow.id).where(ProblemRow.key.like(pat)))}
         if not ids:
-            raise ConfigError(f"no problem in {db.path or 'the database'} has a key like {' or '.join(patterns)}")
+            hint = " (SQL LIKE: % for any run of characters, _ for one; not * or ?)" if any(
+                c in p for p in patterns for c in "*?") else ""
+            raise ConfigError(f"no problem in {db.path or 'the database'} has a key like {' or '.join(patterns)}{hint}")
         rows = s.execute(select(Winner, ProblemRow.op, Hardware.class_key)
                          .join(ProblemRow, ProblemRow.id == Winner.problem_id)
                          .join(Hardware, Hardware.id == Winner.hardware_id)
