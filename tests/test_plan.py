@@ -62,6 +62,7 @@ def _spec(**matrix):
     ({"batch": {"min": 1.5, "max": 8}}, "range needs integer 'min' and 'max'"),  # was batch 1-8
     ({"ops": []}, "'ops' must be a non-empty list"),  # planned 0 problems, exit 0
     ({"ops": "kda.o_proj"}, "'ops' must be a non-empty list"),
+    ({"routing": ["zipf:1.2"]}, "routing must be one string"),  # was "unknown routing '['zipf:1.2']'"
 ])
 def test_bad_spec_values(matrix, msg):
     with pytest.raises(ConfigError, match=msg):

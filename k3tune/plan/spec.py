@@ -174,7 +174,10 @@ def from_dict(raw: dict, name: str = "spec") -> SweepSpec:
     if ops is not None and (not isinstance(ops, list) or not ops or not all(isinstance(o, str) for o in ops)):
         # (an empty list planned 0 problems and `plan` said so with exit 0: leave it out for every op)
         raise ConfigError(f"{where}: 'ops' must be a non-empty list of op names (leave it out for every op)")
-    routing = str(m.get("routing", "uniform"))
+    routing = m.get("routing", "uniform")
+    if not isinstance(routing, str):  # a list was quoted back as "unknown routing '['zipf:1.2']'"
+        raise ConfigError(f"{where}: routing must be one string (uniform, zipf:S or trace:NAME), not {routing!r}; "
+                          "one spec per routing")
     model_cfg = raw.get("model", {}).get("config")
     if model_cfg is not None and not isinstance(model_cfg, str):  # (config = 5 was a TypeError traceback)
         raise ConfigError(f"{where}: [model] config must be a path to a config.json, not {model_cfg!r}")
