@@ -206,6 +206,9 @@ def test_the_block_serves_the_routing_it_is_told(smoke_db, tmp_path, monkeypatch
     assert sel.lookup("kda.qkvg_proj", tp=16, batch=8, draft=1).source == "simulated"
     monkeypatch.setenv("K3TUNE_ROUTING", "zipf:1.2")
     assert Selector.load(smoke_db, simulated="gb300").lookup("moe.block", tp=16, batch=8).source == c.source
+    monkeypatch.setenv("K3TUNE_ROUTING", "zipf1.2")  # the error named the routing, not where it came from
+    with pytest.raises(ConfigError, match=r"^K3TUNE_ROUTING=zipf1.2: unknown routing 'zipf1.2'"):
+        Selector.load(smoke_db, simulated="gb300")
     monkeypatch.delenv("K3TUNE_ROUTING")
     with pytest.raises(ConfigError, match="zipf"):
         Selector.load(smoke_db, simulated="gb300", routing="zipf:-1")

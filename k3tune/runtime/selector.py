@@ -28,7 +28,7 @@ from k3tune import settings
 from k3tune.errors import CannotImplement, ConfigError, DatabaseError
 from k3tune.kernels import family as get_family
 from k3tune.kernels import op_digest, safe_default
-from k3tune.plan import hardware, model as models, problems as plans, spec as specs
+from k3tune.plan import hardware, model as models, problems as plans, routing as routings, spec as specs
 from k3tune.plan.hardware import Fingerprint
 from k3tune.plan.spec import MAX_BATCH, MAX_DRAFT
 from k3tune.shipped import tuning_db_dir
@@ -136,7 +136,13 @@ class Selector:
                 found, unserved = _measured_fingerprint(db, hw.name) if db is not None else \
                     (None, f"no tuning database for {hw.name}")
                 fingerprint = found or fingerprint
-            routing = routing or settings.load().routing
+            if not routing and (routing := settings.load().routing):
+                # named as the environment's: "unknown routing 'bogus'" alone left a service's operator guessing
+                m = model or models.load()
+                try:
+                    routings.canonical_cached(routing, m.num_experts, m.top_k)
+                except ConfigError as e:
+                    raise ConfigError(f"K3TUNE_ROUTING={routing}: {e}") from None
             if routing:
                 spec = dataclasses.replace(spec or specs.load(), routing=routing)
             return cls._load(db, fingerprint, simulated, spec, model, unserved)
