@@ -96,6 +96,9 @@ def test_a_bare_simulate_means_the_detected_or_configured_hardware(tmp_path, cap
     db = str(tmp_path / "a.sqlite")
     assert main(["sweep", "--spec", "smoke", "--db", db, "--json", "--simulate"]) == 0
     assert json.loads(capsys.readouterr().out)["backend"] == "simulated h100"
+    monkeypatch.setenv("K3TUNE_HARDWARE", "h2OO")  # was "unknown hardware 'h2OO'", as if the command line said it
+    assert main(["sweep", "--simulate", "--spec", "smoke", "--db", db]) == 3
+    assert "error: K3TUNE_HARDWARE=h2OO: unknown hardware 'h2OO'" in capsys.readouterr().err
     monkeypatch.delenv("K3TUNE_HARDWARE")
     assert main(["sweep", "--simulate", "--spec", "smoke", "--db", db]) == 3
     assert "needs a detected GPU or K3TUNE_HARDWARE" in capsys.readouterr().err

@@ -146,5 +146,8 @@ def resolve_simulated(value: str | None, configured: str | None) -> HardwareSpec
     if found and found[1]:
         return found[1]
     if configured:
-        return spec(configured)
+        try:
+            return spec(configured)
+        except HardwareError as e:  # named as the environment's, not as if --simulate had said it
+            raise HardwareError(f"K3TUNE_HARDWARE={configured}: {e}") from None
     raise HardwareError("--simulate without a name needs a detected GPU or K3TUNE_HARDWARE; name one, e.g. --simulate gb300")
