@@ -37,14 +37,10 @@ INDEX = "model.safetensors.index.json"
 FLOATS = ("BF16", "F16", "F32")  # converted on load; anything else (F8_E4M3 without its scale, ints) would load wrong
 
 
-def allowed_dtypes(name: str) -> tuple[str, ...]:
-    """The dtypes a tensor of the block may be stored in: MXFP4 codes and e8m0 scales are bytes, the rest floats."""
-    return ("U8",) if name.endswith((".weight_packed", ".weight_scale")) else FLOATS
-
-
-def dtype_problem(src, name: str) -> str | None:
-    """One line if ``name`` is stored in a dtype the block cannot load it from, else None."""
-    got, ok = src.dtype(name), allowed_dtypes(name)
+def _dtype_problem(src, name: str) -> str | None:
+    """One line if ``name`` is stored in a dtype the block cannot load it from (MXFP4 codes and e8m0 scales are
+    bytes, the rest floats), else None."""
+    got, ok = src.dtype(name), ("U8",) if name.endswith((".weight_packed", ".weight_scale")) else FLOATS
     return None if got in ok else f"{name} is stored as {got}, expected {' or '.join(ok)}"
 
 
@@ -226,7 +222,7 @@ def check_checkpoint(checkpoint, shape: BlockShape, layers, tps=(),
                 problems.append(f"{n} is missing")
             elif (got := src.shape(n)) != expect:
                 problems.append(f"{n} has shape {list(got)}, expected {list(expect)}")
-            elif bad := dtype_problem(src, n):
+            elif bad := _dtype_problem(src, n):
                 problems.append(bad)
             elif ".experts." in n and n.endswith(".weight") != (stored == "bf16"):
                 problems.append(f"{n}: stored as {'bf16' if stored == 'mxfp4' else 'mxfp4'}, expert 0 as {stored}")
@@ -262,7 +258,7 @@ def load_rank_weights(checkpoint, shape: BlockShape, tp: int, rank: int, layer: 
         got = src.shape(n)
         if got != want[n]:
             raise ConfigError(f"{src.label}: {n} has shape {list(got)}, expected {list(want[n])}")
-        if bad := dtype_problem(src, n):
+        if bad := _dtype_problem(src, n):
             raise ConfigError(f"{src.label}: {bad}")
         return src.read(n, rows, cols)
 
