@@ -46,6 +46,38 @@ def test_config_field_type_checked(tmp_path):
         model.load(p)
 
 
+def _k3_with(tmp_path, change):
+    raw = json.loads(model.configs_dir().joinpath("kimi_k3_config.json").read_text())
+    change(raw["text_config"])
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps(raw))
+    return p
+
+
+@pytest.mark.parametrize("change, msg", [
+    # counts that add up to 93 with a layer listed twice (in one list, then in both) and layer 2 in neither
+    (lambda t: t["linear_attn_config"]["kda_layers"].__setitem__(1, 1), "layer 1 is listed twice"),
+    (lambda t: t["linear_attn_config"]["kda_layers"].__setitem__(1, 4), "layer 4 is listed twice"),
+    (lambda t: t["linear_attn_config"]["full_attn_layers"].__setitem__(-1, 200), r"indices run 1\.\.200"),
+    (lambda t: t["linear_attn_config"]["kda_layers"].__setitem__(0, "1"), "integer layer indices, got '1'"),
+    (lambda t: t.__setitem__("num_experts_per_token", 897), "num_experts_per_token 897 exceeds num_experts 896"),
+    (lambda t: t.__setitem__("routed_expert_hidden_size", "3584"), "'routed_expert_hidden_size' must be an integer"),
+    (lambda t: t.__setitem__("routed_expert_hidden_size", -5), "'routed_expert_hidden_size' must be positive"),
+])
+def test_config_inconsistencies_named(tmp_path, change, msg):
+    # each was accepted (a layer counted twice, top-k past the experts) or a ValueError traceback (a string latent)
+    with pytest.raises(ConfigError, match=msg):
+        model.load(_k3_with(tmp_path, change))
+
+
+def test_zero_based_layer_indices_accepted(tmp_path):
+    def shift(t):
+        lin = t["linear_attn_config"]
+        lin["kda_layers"] = [i - 1 for i in lin["kda_layers"]]
+        lin["full_attn_layers"] = [i - 1 for i in lin["full_attn_layers"]]
+    assert model.load(_k3_with(tmp_path, shift)).kda_layers == 69
+
+
 def _spec(**matrix):
     base = {"tp": [8], "batch": [1], "dcp": [1], "draft": [0], "context": [8192]}
     base.update(matrix)

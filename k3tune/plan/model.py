@@ -64,6 +64,21 @@ def _get(cfg: dict, key: str, typ: type, source: str):
     return val
 
 
+def _check_layer_indices(kda: list, full: list, layers: int, source: str) -> None:
+    """Each layer is KDA or MLA, once: the two lists hold distinct integer indices in 1..layers (0..layers-1 for a
+    0-based config). Counts that add up can still hide a layer listed twice and one never listed."""
+    for name, idx in (("kda_layers", kda), ("full_attn_layers", full)):
+        bad = [i for i in idx if isinstance(i, bool) or not isinstance(i, int)]
+        if bad:
+            raise ConfigError(f"{source}: {name} must hold integer layer indices, got {bad[0]!r}")
+    both = sorted(kda + full)
+    if both and both != list(range(both[0], both[0] + layers)) or (both and both[0] not in (0, 1)):
+        dup = sorted({i for i in both if both.count(i) > 1})
+        what = f"layer {dup[0]} is listed twice" if dup else f"indices run {both[0]}..{both[-1]}"
+        raise ConfigError(f"{source}: kda_layers and full_attn_layers must cover layers 1..{layers} once each: "
+                          f"{what}")
+
+
 def from_dict(raw: dict, source: str = "config") -> ModelConfig:
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: expected a JSON object")
@@ -83,9 +98,15 @@ def from_dict(raw: dict, source: str = "config") -> ModelConfig:
         raise ConfigError(f"{source}: kda_layers and full_attn_layers must be lists")
     if len(kda) + len(full) != layers:
         raise ConfigError(f"{source}: {len(kda)} KDA + {len(full)} MLA layers != num_hidden_layers {layers}")
+    _check_layer_indices(kda, full, layers, source)
     quant = cfg.get("quantization_config") or {}
     fmt = "mxfp4" if "mxfp4" in json.dumps(quant) else "bf16"
     hidden = _get(cfg, "hidden_size", int, source)
+    num_experts, top_k = _get(cfg, "num_experts", int, source), _get(cfg, "num_experts_per_token", int, source)
+    if top_k > num_experts:
+        raise ConfigError(f"{source}: num_experts_per_token {top_k} exceeds num_experts {num_experts}")
+    # absent: the routed experts run at the hidden width (no latent space)
+    latent = _get(cfg, "routed_expert_hidden_size", int, source) if "routed_expert_hidden_size" in cfg else hidden
     return ModelConfig(
         name=str(name),
         hidden=hidden,
@@ -102,11 +123,11 @@ def from_dict(raw: dict, source: str = "config") -> ModelConfig:
         qk_rope_dim=_get(cfg, "qk_rope_head_dim", int, source),
         v_head_dim=_get(cfg, "v_head_dim", int, source),
         mla_output_gate=bool(cfg.get("mla_use_output_gate", False)),
-        num_experts=_get(cfg, "num_experts", int, source),
-        top_k=_get(cfg, "num_experts_per_token", int, source),
+        num_experts=num_experts,
+        top_k=top_k,
         num_shared_experts=_get(cfg, "num_shared_experts", int, source),
         moe_intermediate=_get(cfg, "moe_intermediate_size", int, source),
-        latent=int(cfg.get("routed_expert_hidden_size", hidden)),
+        latent=latent,
         expert_weight_format=fmt,
     )
 
