@@ -63,6 +63,13 @@ def _k3_with(tmp_path, change):
     (lambda t: t.__setitem__("num_experts_per_token", 897), "num_experts_per_token 897 exceeds num_experts 896"),
     (lambda t: t.__setitem__("routed_expert_hidden_size", "3584"), "'routed_expert_hidden_size' must be an integer"),
     (lambda t: t.__setitem__("routed_expert_hidden_size", -5), "'routed_expert_hidden_size' must be positive"),
+    # an NVFP4 or fp8 checkpoint was tuned as bf16 experts; mxfp4 with other bits or groups as K3's mxfp4
+    (lambda t: t["quantization_config"]["config_groups"]["group_0"].__setitem__("format", "nvfp4-pack-quantized"),
+     "quantization nvfp4-pack-quantized is not one"),
+    (lambda t: t.__setitem__("quantization_config", {"quant_method": "fp8", "weight_block_size": [128, 128]}),
+     "quantization quant_method 'fp8' is not one k3tune tunes"),
+    (lambda t: t["quantization_config"]["config_groups"]["group_0"]["weights"].__setitem__("group_size", 16),
+     "num_bits 4, group_size 16"),
 ])
 def test_config_inconsistencies_named(tmp_path, change, msg):
     # each was accepted (a layer counted twice, top-k past the experts) or a ValueError traceback (a string latent)

@@ -64,6 +64,29 @@ def _get(cfg: dict, key: str, typ: type, source: str):
     return val
 
 
+def _expert_format(quant, source: str) -> str:
+    """The routed experts' weight format: "mxfp4" (compressed-tensors' mxfp4-pack-quantized: 4-bit codes, a scale
+    per 32) or "bf16" (no quantization_config). Any other quantization was tuned as bf16 before; now it is named."""
+    if not quant:
+        return "bf16"
+    if not isinstance(quant, dict):
+        raise ConfigError(f"{source}: 'quantization_config' must be an object")
+    groups = quant.get("config_groups") or {}
+    groups = [g for g in groups.values() if isinstance(g, dict)] if isinstance(groups, dict) else []
+    # a group's own format, else the config's; each group's must be mxfp4
+    formats = {str(g.get("format") or quant.get("format")) for g in groups} if groups else {str(quant.get("format"))}
+    if not all("mxfp4" in f for f in formats):
+        what = ", ".join(sorted(f for f in formats if "mxfp4" not in f and f != "None"))
+        raise ConfigError(f"{source}: quantization {what or 'quant_method ' + repr(quant.get('quant_method'))} is "
+                          "not one k3tune tunes (mxfp4-pack-quantized experts, or no quantization_config for bf16)")
+    for g in groups:
+        w = g.get("weights")
+        if isinstance(w, dict) and (w.get("num_bits", 4), w.get("group_size", 32)) != (4, 32):
+            raise ConfigError(f"{source}: mxfp4 weights are 4 bits in groups of 32, the config says "
+                              f"num_bits {w.get('num_bits', 4)}, group_size {w.get('group_size', 32)}")
+    return "mxfp4"
+
+
 def _check_layer_indices(kda: list, full: list, layers: int, source: str) -> None:
     """Each layer is KDA or MLA, once: the two lists hold distinct integer indices in 1..layers (0..layers-1 for a
     0-based config). Counts that add up can still hide a layer listed twice and one never listed."""
@@ -99,8 +122,7 @@ def from_dict(raw: dict, source: str = "config") -> ModelConfig:
     if len(kda) + len(full) != layers:
         raise ConfigError(f"{source}: {len(kda)} KDA + {len(full)} MLA layers != num_hidden_layers {layers}")
     _check_layer_indices(kda, full, layers, source)
-    quant = cfg.get("quantization_config") or {}
-    fmt = "mxfp4" if "mxfp4" in json.dumps(quant) else "bf16"
+    fmt = _expert_format(cfg.get("quantization_config"), source)
     hidden = _get(cfg, "hidden_size", int, source)
     num_experts, top_k = _get(cfg, "num_experts", int, source), _get(cfg, "num_experts_per_token", int, source)
     if top_k > num_experts:
