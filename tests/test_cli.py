@@ -124,6 +124,7 @@ def test_a_bare_simulate_means_the_detected_or_configured_hardware(tmp_path, cap
     (["sweep", "--simulate", "gb300", "--lease", "inf"], "--lease must be at least 10 and at most 604800", 2),  # a
     (["sweep", "--simulate", "gb300", "--lease", "1e300"], "--lease must be", 2),  # traceback (OverflowError)
     (["sweep", "--simulate", "gb300", "--trial-timeout", "inf"], "--trial-timeout must be more than 0 and at most", 2),
+    (["sweep", "--simulate", "gb300", "--compile-procs", "100000"], "--compile-procs 100000 is more than the", 2),
 ])
 def test_known_errors_are_one_line(argv, msg, code, capsys):
     assert main(argv) == code

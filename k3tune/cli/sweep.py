@@ -15,6 +15,7 @@ from k3tune import settings
 from k3tune.cli.common import ConfigOption, DbOption, JsonOption, SpecOption, console, db_target, print_json
 from k3tune.errors import ConfigError, HardwareError
 from k3tune.plan import hardware, model as models, problems, spec as specs
+from k3tune.search.compile_farm import usable_cores
 from k3tune.search.driver import SweepOptions, SweepStats, check_before_database, run_sweep
 from k3tune.shipped import tuning_db_dir
 from k3tune.store.db import interrupts_between_sessions, open_db
@@ -87,6 +88,10 @@ def sweep(
         raise ConfigError("--gpus must be at least 1")
     if compile_procs is not None and compile_procs < 0:
         raise ConfigError("--compile-procs must be 0 or more")
+    if compile_procs is not None and compile_procs > usable_cores():  # each holds a compiler: 10^5 of them were
+        # started as asked, and the machine ran out of memory long before any compile ended
+        raise ConfigError(f"--compile-procs {compile_procs} is more than the {usable_cores()} CPU cores this process "
+                          "may use")
     # (not: NaN too) a zero timeout would kill every candidate as hung; an endless one lets a hung kernel stop the sweep
     if not 0 < trial_timeout <= MAX_WAIT_S:
         raise ConfigError(f"--trial-timeout must be more than 0 and at most {MAX_WAIT_S:.0f} seconds, "

@@ -75,8 +75,12 @@ def default_procs(workers: int) -> int:
     """The farm's size when the user names none: every CPU core this process may use, less one per GPU worker
     and one for the driver, at most 8 per worker (compiles outrun measurements well before that) and 64 in all
     (each process holds a compiler in memory)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(0, min(cores - workers - 1, 8 * workers, 64))
+    return max(0, min(usable_cores() - workers - 1, 8 * workers, 64))
+
+
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity, where the OS tells it)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 class CompileFarm:
