@@ -259,8 +259,8 @@ def test_checkpoint_check_command(tmp_path):
     assert run("--layers", "3", "--tp", "4", "--tp", "2") == (0, {**out, "layers": 1, "tp": [4, 2], "problems": []})
     assert main(["checkpoint", "check", str(ck), "--config", str(tmp_path / "config.json"), "--layers", "2"]) == 2
     # a backwards range checked no layer and said OK; tp 0 was a ZeroDivisionError traceback, a negative tp passed;
-    # a layer named twice was checked and counted twice
-    for extra in (["--layers", "4-3"], ["--tp", "0"], ["--tp", "-4"]):
+    # a layer named twice was checked and counted twice; a range far past the last layer was a MemoryError
+    for extra in (["--layers", "4-3"], ["--tp", "0"], ["--tp", "-4"], ["--layers", "1-1000000000000"]):
         assert main(["checkpoint", "check", str(ck), "--config", str(tmp_path / "config.json"), *extra]) == 2, extra
     assert run("--layers", "3,3", "--tp", "4")[1]["layers"] == 1
     # right shapes in dtypes the block cannot load (e8m0 scales as bf16, an fp8 weight without its scale) passed

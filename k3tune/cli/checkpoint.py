@@ -23,6 +23,8 @@ def _layers(text: str | None, all_moe: list[int]) -> list[int]:
             lo, _, hi = part.partition("-")
             if int(hi or lo) < int(lo):  # an empty range checked nothing and said OK
                 raise ConfigError(f"--layers {text!r}: the range {part} runs backwards (write {hi}-{lo})")
+            if all_moe and int(hi or lo) > max(all_moe):  # before the range is made: 1-1000000000 was a MemoryError
+                raise ConfigError(f"--layers {text!r}: the config's last MoE layer is {max(all_moe)}")
             out += range(int(lo), int(hi or lo) + 1)
     except ValueError:
         raise ConfigError(f"--layers {text!r}: expected numbers and ranges, e.g. 1-92 or 3,5") from None
