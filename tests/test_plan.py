@@ -99,6 +99,7 @@ def _spec(**matrix):
     ({"batch": "many"}, "list of integers"),
     ({"tp": [0]}, "tp 0 must be positive"),  # was "dcp 1 invalid for tp 0"
     ({"batch": {"min": 1.5, "max": 8}}, "range needs integer 'min' and 'max'"),  # was batch 1-8
+    ({"context": {"min": 1, "max": 10**11}}, "range 1..100000000000 has 100000000000 values"),  # a MemoryError
     ({"ops": []}, "'ops' must be a non-empty list"),  # planned 0 problems, exit 0
     ({"ops": "kda.o_proj"}, "'ops' must be a non-empty list"),
     ({"routing": ["zipf:1.2"]}, "routing must be one string"),  # was "unknown routing '['zipf:1.2']'"

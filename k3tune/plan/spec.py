@@ -18,6 +18,7 @@ from k3tune.shipped import configs_dir
 
 MAX_BATCH = 64
 MAX_DRAFT = 7
+MAX_RANGE_VALUES = 1024  # values a {min, max} range may expand to
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,9 @@ def _ints(section: dict, key: str, where: str, default=None) -> tuple[int, ...]:
         lo, hi = val.get("min"), val.get("max")  # whole numbers (int() took min = 1.5 as 1)
         if not all(isinstance(v, int) and not isinstance(v, bool) for v in (lo, hi)):
             raise ConfigError(f"{where}: '{key}' range needs integer 'min' and 'max'")
+        if hi - lo + 1 > MAX_RANGE_VALUES:  # checked before it is built: max = 10^11 was a MemoryError
+            raise ConfigError(f"{where}: '{key}' range {lo}..{hi} has {hi - lo + 1} values; a range may hold at most "
+                              f"{MAX_RANGE_VALUES} (list the values instead)")
         val = list(range(lo, hi + 1))
     if isinstance(val, int) and not isinstance(val, bool):
         val = [val]
