@@ -20,9 +20,14 @@ class HardwareError(K3TuneError):
 
 
 class DatabaseError(K3TuneError):
-    """The tuning database cannot be opened, read or written."""
+    """The tuning database cannot be opened, read or written. ``transient``: the server went away (a restart, a
+    failover, a dropped connection), so the same transaction may succeed on a new connection."""
 
     exit_code = 4
+
+    def __init__(self, message: str, transient: bool = False):
+        super().__init__(message)
+        self.transient = transient
 
 
 class SchemaError(DatabaseError):

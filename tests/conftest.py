@@ -65,63 +65,93 @@ def free_port() -> int:
     return _free_port()
 
 
+class PgServer:
+    """A PostgreSQL server of its own (data directory, socket, loopback port) started from the installed binaries;
+    ``stop`` and ``start`` again keep its data and port (a server's restart under a running client)."""
+
+    def __init__(self):
+        initdb, self.pg_ctl = _pg_bin("initdb"), _pg_bin("pg_ctl")
+        if not (initdb and self.pg_ctl):
+            msg = "PostgreSQL server binaries (initdb, pg_ctl) not found: install postgresql to run these tests"
+            if settings.load().ci:
+                pytest.fail(msg + " (required under CI=true)")
+            pytest.skip(msg)
+        self.base = Path(tempfile.mkdtemp(prefix="k3tune-pg-"))  # pytest's tmp dirs are private to root
+        self.data, self.sock, self.log = self.base / "data", self.base / "sock", self.base / "log"
+        self.sock.mkdir()
+        self.prefix: list[str] = []
+        if os.geteuid() == 0:  # PostgreSQL refuses to run as root
+            user = "postgres"
+            try:
+                pw = pwd.getpwnam(user)
+            except KeyError:
+                pytest.fail("running as root needs a 'postgres' user to start PostgreSQL")
+            for p in (self.base, self.sock):
+                os.chown(p, pw.pw_uid, pw.pw_gid)
+            os.chmod(self.base, 0o755)
+            self.prefix = ["runuser", "-u", user, "--"]
+        self.port = _free_port()
+        init = subprocess.run(self.prefix + [initdb, "-D", str(self.data), "-A", "trust", "-U", "postgres",
+                                             "--no-sync"], capture_output=True, text=True)
+        if init.returncode:
+            pytest.fail(f"initdb failed: {init.stderr.strip()[-500:]}")
+        self.url = f"postgresql://postgres@127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        subprocess.run(self.prefix + [self.pg_ctl, "-D", str(self.data), "-l", str(self.log), "-w", "-t", "60", "-o",
+                                      f"-p {self.port} -k {self.sock} -c listen_addresses=127.0.0.1 "
+                                      "-c max_connections=200 -c fsync=off", "start"], capture_output=True)
+        if not (self.data / "postmaster.pid").exists():
+            pytest.fail(f"PostgreSQL did not start: {self.log.read_text()[-800:] if self.log.exists() else ''}")
+
+    def stop(self, mode: str = "immediate") -> None:
+        subprocess.run(self.prefix + [self.pg_ctl, "-D", str(self.data), "-m", mode, "-w", "stop"],
+                       capture_output=True)
+
+    def create_database(self) -> str:
+        """A fresh, empty database on this server: its URL."""
+        from sqlalchemy import create_engine, text
+
+        name = f"k3t_{os.getpid()}_{next(_counter)}"
+        eng = create_engine(f"{self.url}/postgres", isolation_level="AUTOCOMMIT")
+        for _ in range(50):
+            try:
+                with eng.connect() as c:
+                    c.execute(text(f'CREATE DATABASE "{name}"'))
+                break
+            except Exception:
+                time.sleep(0.2)
+        eng.dispose()
+        return f"{self.url}/{name}"
+
+    def remove(self) -> None:
+        self.stop()
+        shutil.rmtree(self.base, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
-def pg_server(tmp_path_factory):
+def pg_server():
     """A PostgreSQL server on loopback for this test session. Skipped without the binaries, except under
     CI=true, where their absence fails the run."""
-    initdb, pg_ctl = _pg_bin("initdb"), _pg_bin("pg_ctl")
-    if not (initdb and pg_ctl):
-        msg = "PostgreSQL server binaries (initdb, pg_ctl) not found: install postgresql to run these tests"
-        if settings.load().ci:
-            pytest.fail(msg + " (required under CI=true)")
-        pytest.skip(msg)
-    base = Path(tempfile.mkdtemp(prefix="k3tune-pg-"))  # pytest's tmp dirs are private to root
-    data, sock = base / "data", base / "sock"
-    sock.mkdir()
-    prefix: list[str] = []
-    if os.geteuid() == 0:  # PostgreSQL refuses to run as root
-        user = "postgres"
-        try:
-            pw = pwd.getpwnam(user)
-        except KeyError:
-            pytest.fail("running as root needs a 'postgres' user to start PostgreSQL")
-        for p in (base, sock):
-            os.chown(p, pw.pw_uid, pw.pw_gid)
-        os.chmod(base, 0o755)
-        prefix = ["runuser", "-u", user, "--"]
-    port = _free_port()
-    init = subprocess.run(prefix + [initdb, "-D", str(data), "-A", "trust", "-U", "postgres", "--no-sync"],
-                          capture_output=True, text=True)
-    if init.returncode:
-        pytest.fail(f"initdb failed: {init.stderr.strip()[-500:]}")
-    log = base / "log"
-    subprocess.run(prefix + [pg_ctl, "-D", str(data), "-l", str(log), "-w", "-t", "60", "-o",
-                             f"-p {port} -k {sock} -c listen_addresses=127.0.0.1 -c max_connections=200 -c fsync=off",
-                             "start"], capture_output=True)
-    if not (data / "postmaster.pid").exists():
-        pytest.fail(f"PostgreSQL did not start: {log.read_text()[-800:] if log.exists() else ''}")
-    url = f"postgresql://postgres@127.0.0.1:{port}"
-    yield url
-    subprocess.run(prefix + [pg_ctl, "-D", str(data), "-m", "immediate", "stop"], capture_output=True)
-    shutil.rmtree(base, ignore_errors=True)
+    server = PgServer()
+    server.start()
+    yield server
+    server.remove()
+
+
+@pytest.fixture
+def own_pg_server():
+    """A PostgreSQL server for one test alone, which it may stop and start again."""
+    server = PgServer()
+    server.start()
+    yield server
+    server.remove()
 
 
 @pytest.fixture
 def pg_url(pg_server) -> str:
     """A fresh, empty database on the session's server."""
-    from sqlalchemy import create_engine, text
-
-    name = f"k3t_{os.getpid()}_{next(_counter)}"
-    eng = create_engine(f"{pg_server}/postgres", isolation_level="AUTOCOMMIT")
-    for _ in range(50):
-        try:
-            with eng.connect() as c:
-                c.execute(text(f'CREATE DATABASE "{name}"'))
-            break
-        except Exception:
-            time.sleep(0.2)
-    eng.dispose()
-    return f"{pg_server}/{name}"
+    return pg_server.create_database()
 
 
 @pytest.fixture(params=["sqlite", "postgres"])

@@ -4,6 +4,7 @@ overlap, and a crashed machine's expired claims are taken over."""
 import json
 import subprocess
 import sys
+import time
 from datetime import timedelta
 
 import pytest
@@ -127,3 +128,36 @@ def test_redo_and_merge_newer_on_postgres(pg_url, tmp_path):
     finally:
         source.close()
     assert st.winners_replaced == n // 2
+
+
+def test_a_sweep_outlives_its_servers_restart(own_pg_server):
+    """The server stopped mid-sweep (its sessions cut, then refusals while it is down: a restart, a failover) ended
+    the sweep with "server closed the connection unexpectedly", exit 4, its hours of trials stored but the machine
+    idle. Each transaction is now run again after a pause, and the sweep ends as an uninterrupted one would."""
+    url = own_pg_server.create_database()
+    store_db.open_db(url).dispose()
+    proc = subprocess.Popen(_sweep_cmd(url), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    db = store_db.open_db(url)
+    try:
+        for _ in range(600):  # until the sweep has stored its first winner: mid-sweep
+            with db.session() as s:
+                if s.scalar(select(func.count()).select_from(Winner)):
+                    break
+            time.sleep(0.05)
+        else:
+            pytest.fail("the sweep stored no winner in 30 s")
+    finally:
+        db.dispose()
+    own_pg_server.stop("immediate")  # connections cut without a goodbye
+    time.sleep(3)  # refused meanwhile
+    own_pg_server.start()
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-1500:]
+    summary = json.loads(out)
+    assert summary["database_retries"] >= 1 and "retrying in" in err
+    db = store_db.open_db(url)
+    with db.session() as s:
+        winners = s.scalar(select(func.count()).select_from(Winner))
+        states = dict(s.execute(select(Claim.state, func.count()).group_by(Claim.state)).all())
+    db.dispose()
+    assert summary["problems"] == winners == 48 and set(states) == {"done"}

@@ -177,6 +177,26 @@ def test_trials_are_idempotent(any_db_url):
         assert s.scalar(select(func.count()).select_from(Trial)) == 5
 
 
+def test_a_claim_whose_commit_answer_was_lost_is_taken_again_by_its_owner(any_db_url):
+    """A retried claim (``Database.transact`` after the server went away) may follow a commit that landed: those
+    problems are the owner's, unknown to it, renewed with its other claims and so never taken by anyone. Told what
+    it holds, the owner takes them back; other owners still cannot."""
+    db, hw, _, _ = _setup(any_db_url)
+    probs = [Problem("kda.o_proj", "gemm", (("M", m), ("N", 7168), ("K", 768))) for m in (1, 2, 4, 8)]
+    with db.session() as s:
+        pids = records.problem_ids(s, probs)
+        wanted = {pids[p]: "d" for p in probs}
+        records.plan_claims(s, hw, Backend.simulated, wanted)
+    claim = lambda s, owner, n, held: records.claim(s, hw, Backend.simulated, owner, wanted, n, 60, held=held)
+    with db.session() as s:
+        lost = claim(s, "a:1:1", 2, None)  # committed; the answer never came back
+    with db.session() as s:
+        assert claim(s, "b:1:2", 4, set()) == [pid for pid in wanted if pid not in lost]  # another owner: the rest
+    with db.session() as s:
+        assert claim(s, "a:1:1", 4, {lost[0]}) == [lost[1]]  # the one it does not hold
+        assert claim(s, "a:1:1", 4, set(lost)) == []
+
+
 def _writer(url, worker, n):
     db = store_db.open_db(url)
     with db.session() as s:

@@ -12,7 +12,8 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from k3tune import settings
-from k3tune.cli.common import ConfigOption, DbOption, JsonOption, SpecOption, console, db_target, print_json
+from k3tune.cli.common import (ConfigOption, DbOption, JsonOption, SpecOption, console, db_target, err_console,
+                               print_json)
 from k3tune.errors import ConfigError, HardwareError
 from k3tune.plan import hardware, model as models, problems, spec as specs
 from k3tune.search.compile_farm import usable_cores
@@ -119,7 +120,12 @@ def sweep(
                   console=console, disable=json, transient=False) as progress:
         task = progress.add_task(f"sweep ({label}, {workers} workers)", total=None, info="starting workers")
 
+        retries_shown = [0]
+
         def on_progress(st: SweepStats) -> None:
+            for msg in st.db_retries[retries_shown[0]:]:  # the sweep waits on its database server: say so
+                (err_console if json else progress.console).print(f"[yellow]warning:[/] {escape(msg)}")
+            retries_shown[0] = len(st.db_retries)
             best = f" best {st.best_speedup:.2f}x vs default" if st.best_speedup else ""
             progress.update(task, total=st.problems_total, completed=st.problems_done_before + st.problems_done,
                             info=f"problems, {st.trials} trials, {st.failed} failed{best}")
@@ -139,7 +145,7 @@ def sweep(
                "polish_passes": stats.polish_passes, "polish_s": round(stats.polish_s, 1),
                "polish_plan_s": round(stats.polish_plan_s, 1), "polish_build_s": round(stats.polish_build_s, 1),
                "polish_untimed": stats.polish_untimed,
-               "workers_replaced": stats.workers_replaced,
+               "workers_replaced": stats.workers_replaced, "database_retries": len(stats.db_retries),
                "workers_retired": stats.workers_retired,
                "no_winner": stats.no_winner, "refused_stored_trials": stats.refused, "skipped_ops": stats.skipped_ops, "seconds": round(stats.seconds, 1)}
     if json:

@@ -85,6 +85,7 @@ class SweepStats:
     refused: list[str] = field(default_factory=list)  # stored trials outside the declared space
     skipped_ops: dict[str, str] = field(default_factory=dict)
     best_speedup: float | None = None  # best winner-vs-default ratio so far
+    db_retries: list[str] = field(default_factory=list)  # transactions run again after the database server went away
     last: str = ""
     seconds: float = 0.0
     workers_ready_s: float | None = None  # from the sweep's start until every worker first reported ready
@@ -104,6 +105,15 @@ class SweepStats:
     polish_untimed: int = 0  # problems the passes left alone: their winner has no trial in the database (a
     # winners-only export; s35-r7 ran a polish spec on the shipped database and tried nothing)
     run_id: int = 0
+
+
+def _retry_reporter(stats: SweepStats, report: Callable[[str], None]) -> Callable[[str], None]:
+    """What a sweep's database transactions tell when one is run again after its server went away: counted in the
+    stats and shown through the progress callback (a sweep's hours outlive a server's restart)."""
+    def told(msg: str) -> None:
+        stats.db_retries.append(msg)
+        report(msg)
+    return told
 
 
 def fingerprint_for(backend: str, hw: HardwareSpec | None) -> Fingerprint:
@@ -322,6 +332,14 @@ def _run_phase(opt: SweepOptions, plan: plans.Plan, t_start: float) -> SweepStat
         farm.close()
         raise
     stats.run_id = run_id
+
+    def report(msg: str = "") -> None:
+        stats.last = msg or stats.last
+        stats.seconds = time.monotonic() - t_start
+        if opt.progress:
+            opt.progress(stats)
+
+    db_retry = _retry_reporter(stats, report)
     neighbours: dict[str, list[tuple[plans.Problem, str, dict]]] = {}
     # winners by kind and dims: another op of the same shape (H200 dense: TP8 kda.o_proj and mla.o_proj are both
     # 7168 x 1536; moe.shared_w2 TP8 and both o_proj TP16 are 7168 x 768) is the nearest neighbour there is
@@ -334,7 +352,7 @@ def _run_phase(opt: SweepOptions, plan: plans.Plan, t_start: float) -> SweepStat
     def load_neighbours() -> None:
         """Every stored winner of this hardware and backend (stale ones too: a suggestion, re-measured), and with
         ``warm_from`` the other kind's where this one has none."""
-        with opt.db.session() as s:
+        def read(s: Session) -> list:
             won = s.execute(select(Winner.problem_id, Winner.family, Winner.params)
                             .where(Winner.hardware_id == hw_id, Winner.backend == label)).all()
             if seed_hw:  # ``warm_from``: the other kind's winner where this one has none yet (one a problem)
@@ -345,6 +363,9 @@ def _run_phase(opt: SweepOptions, plan: plans.Plan, t_start: float) -> SweepStat
                     if w[0] not in have:
                         have.add(w[0])
                         won.append(w)
+            return won
+
+        won = opt.db.transact(read, db_retry)
         neighbours.clear()
         twins.clear()
         same_m.clear()
@@ -369,12 +390,6 @@ def _run_phase(opt: SweepOptions, plan: plans.Plan, t_start: float) -> SweepStat
     # sweep: a third of each worker's time inside builds, with 29 farm processes and 4 open problems)
     target_active = max(4, 2 * opt.workers, farm.procs)
     last_renew = time.monotonic()
-
-    def report(msg: str = "") -> None:
-        stats.last = msg or stats.last
-        stats.seconds = time.monotonic() - t_start
-        if opt.progress:
-            opt.progress(stats)
 
     polishing = False  # a polish pass: more neighbours' winners, no TPE
     distances: dict[tuple[str, str], float] = {}  # by problem keys: every pass ranks the same pairs again (a default
@@ -420,8 +435,8 @@ def _run_phase(opt: SweepOptions, plan: plans.Plan, t_start: float) -> SweepStat
     def open_search(pid: int) -> ProblemSearch:
         p = by_id[pid]
         fams = families_for(p, opt.backend, arch, fp.class_key)
-        with opt.db.session() as s:
-            stored = records.stored_trials(s, hw_id, pid, {f.name: fam_digests[f.name] for f in fams}, method)
+        stored = opt.db.transact(lambda s: records.stored_trials(
+            s, hw_id, pid, {f.name: fam_digests[f.name] for f in fams}, method), db_retry)
         search = ProblemSearch(p, fams, opt.spec.search, seed=opt.spec.search.seed + pid, stored=stored,
                                warm=warm(p), tpe=not polishing)
         if not polishing:  # a polish pass re-reads the trials its search just stored
@@ -432,13 +447,16 @@ def _run_phase(opt: SweepOptions, plan: plans.Plan, t_start: float) -> SweepStat
     def finish(pid: int, search: ProblemSearch) -> None:
         d = search.decision
         p = by_id[pid]
-        with opt.db.session() as s:
+
+        def store(s: Session) -> None:
             if d.family:
                 records.save_winner(s, hardware_id=hw_id, problem_id=pid, op_digest=digests[p.op], backend=label,
                                     family=d.family, family_digest=fam_digests[d.family], params=d.params,
                                     median_us=d.median_us, spread_us=d.spread_us, default_us=d.default_us,
                                     ties=d.ties, trials=d.trials, run_id=run_id, origin="", method=method)
             records.finish_claim(s, hw_id, label, pid, wanted[pid])
+
+        opt.db.transact(store, db_retry)
         if not d.family:
             stats.no_winner.append(p.key)
         elif d.default_us:
@@ -452,15 +470,16 @@ def _run_phase(opt: SweepOptions, plan: plans.Plan, t_start: float) -> SweepStat
     try:
         coll = {pid: d for pid, d in wanted.items() if by_id[pid].kind == "allreduce"}
         if coll:  # collectives first, on a group of this sweep's GPUs (no one-GPU worker can run them)
-            with opt.db.session() as s:
-                got = records.claim(s, hw_id, label, owner, coll, len(coll), opt.lease_s)
+            got = opt.db.transact(lambda s: records.claim(s, hw_id, label, owner, coll, len(coll), opt.lease_s,
+                                                          held=set()), db_retry)
             if got:
                 _tune_collectives([by_id[pid] for pid in got], pids, opt, hw_id, run_id, label, digests, stats, report)
             wanted = {pid: d for pid, d in wanted.items() if pid not in coll}
         wanted_all, passes = dict(wanted), opt.spec.search.polish
         polish_start = 0.0  # monotonic time the first polish pass was planned
         planner = polish.Planner(opt.db, hw_id, label, opt.spec.search,
-                                 lambda p: families_for(p, opt.backend, arch, fp.class_key), fam_digests, method, warm)
+                                 lambda p: families_for(p, opt.backend, arch, fp.class_key), fam_digests, method, warm,
+                                 db_retry)
         if not wanted:
             pool.close()  # nothing left to measure (the workers were started early, in vain)
         with pool:
@@ -471,15 +490,15 @@ def _run_phase(opt: SweepOptions, plan: plans.Plan, t_start: float) -> SweepStat
                 farm.submit_known([by_id[pid] for pid in wanted], opt.backend, opt.spec.search, warm, fp.class_key)
                 while True:
                     if len(active) < target_active:
-                        with opt.db.session() as s:
-                            got = records.claim(s, hw_id, label, owner, wanted, target_active - len(active), opt.lease_s)
+                        got = opt.db.transact(lambda s: records.claim(
+                            s, hw_id, label, owner, wanted, target_active - len(active), opt.lease_s, held=set(active)),
+                            db_retry)
                         for pid in got:
                             active[pid] = open_search(pid)
                             if active[pid].finished:
                                 finish(pid, active.pop(pid))
                     if not active:
-                        with opt.db.session() as s:
-                            left = records.remaining(s, hw_id, label, wanted)
+                        left = opt.db.transact(lambda s: records.remaining(s, hw_id, label, wanted), db_retry)
                         if left == 0 or not opt.wait_for_others:
                             break
                         report(f"waiting: {left} problems claimed by other sweeps")
@@ -490,8 +509,9 @@ def _run_phase(opt: SweepOptions, plan: plans.Plan, t_start: float) -> SweepStat
                     if idle and farm.procs and room > 0 and blocked_on_builds(active, built):
                         # every open problem waits on a build (the start of a sweep, session 9: a third of the
                         # 2-GPU workers' first 40 s): open more, whose first candidate (cuBLAS) needs none
-                        with opt.db.session() as s:
-                            got = records.claim(s, hw_id, label, owner, wanted, min(room, len(idle)), opt.lease_s)
+                        got = opt.db.transact(lambda s: records.claim(
+                            s, hw_id, label, owner, wanted, min(room, len(idle)), opt.lease_s, held=set(active)),
+                            db_retry)
                         for pid in got:
                             active[pid] = open_search(pid)
                         stats.opened_early += len(got)
@@ -532,15 +552,13 @@ def _run_phase(opt: SweepOptions, plan: plans.Plan, t_start: float) -> SweepStat
                         if polishing:
                             stats.polish_build_s += outcome.compile_s or 0.0
                     if batch:
-                        with opt.db.session() as s:
-                            records.record_trials(s, run_id, hw_id, label, batch)
+                        opt.db.transact(lambda s: records.record_trials(s, run_id, hw_id, label, batch), db_retry)
                         for (_, outcome), rec in zip(results, batch, strict=True):
                             active[rec.problem_id].tell(Candidate(rec.family, rec.params, rec.params_key, rec.round),
                                                         outcome.status, outcome.median_us, outcome.spread_us)
                         report()
                     if time.monotonic() - last_renew > opt.lease_s / 3:
-                        with opt.db.session() as s:
-                            records.renew_claims(s, owner, opt.lease_s)
+                        opt.db.transact(lambda s: records.renew_claims(s, owner, opt.lease_s), db_retry)
                         last_renew = time.monotonic()
                 if passes <= 0:
                     break
@@ -557,8 +575,7 @@ def _run_phase(opt: SweepOptions, plan: plans.Plan, t_start: float) -> SweepStat
                 for pid, w in polish.current_winners(opt.db, hw_id, label, {
                         pid: wanted_all[pid] for pid in set(wanted) - set(incumbent)}).items():
                     incumbent[pid] = w  # what the search chose, before any polish pass
-                with opt.db.session() as s:
-                    records.plan_claims(s, hw_id, label, wanted)
+                opt.db.transact(lambda s: records.plan_claims(s, hw_id, label, wanted), db_retry)
                 polished_ids.update(wanted)
                 stats.polished = len(polished_ids)  # distinct problems: a later pass may take one up again
                 stats.polish_passes += 1
@@ -603,7 +620,8 @@ def _tune_collectives(problems: list[plans.Problem], pids: dict, opt: SweepOptio
             outs = {key: results[(p.key, key)] for key in params[p]}
             default = params_key(fam.default_config(p).params())
             win = measure_collective.fastest(outs, list(outs))
-            with opt.db.session() as s:
+
+            def store(s: Session) -> None:
                 records.record_trials(s, run_id, hw_id, label, [records.TrialRecord(
                     problem_id=pid, family=fam.name, family_digest=fam.digest, params=params[p][key], params_key=key,
                     round=0, status=TrialStatus(o.status), median_us=o.median_us, spread_us=o.spread_us,
@@ -616,6 +634,8 @@ def _tune_collectives(problems: list[plans.Problem], pids: dict, opt: SweepOptio
                                         ties=0, trials=len(outs), run_id=run_id, origin="",
                                         method=method_digest("collective"))
                 records.finish_claim(s, hw_id, label, pid, digests[p.op])
+
+            opt.db.transact(store, _retry_reporter(stats, report))
             stats.trials += len(outs)
             stats.failed += sum(o.status != "ok" for o in outs.values())
             stats.problems_done += 1

@@ -58,11 +58,12 @@ def declared_knobs(fams, problems) -> set[str]:
     return {k for p in problems for f in fams(p) for k in f.cached_space(p)}
 
 
-def current_winners(db: Database, hw_id: int, backend: Backend, digests: dict[int, str]) -> dict[int, tuple[str, dict]]:
+def current_winners(db: Database, hw_id: int, backend: Backend, digests: dict[int, str],
+                    on_retry: Callable[[str], None] | None = None) -> dict[int, tuple[str, dict]]:
     """Problem id -> (family, params) of its winner for the op digest given, where there is one."""
-    with db.session() as s:
-        rows = s.execute(select(Winner.problem_id, Winner.op_digest, Winner.family, Winner.params).where(
-            Winner.hardware_id == hw_id, Winner.backend == backend, Winner.problem_id.in_(set(digests)))).all()
+    rows = db.transact(lambda s: s.execute(select(Winner.problem_id, Winner.op_digest, Winner.family, Winner.params)
+                                           .where(Winner.hardware_id == hw_id, Winner.backend == backend,
+                                                  Winner.problem_id.in_(set(digests)))).all(), on_retry)
     return {pid: (fam, params) for pid, d, fam, params in rows if digests.get(pid) == d}
 
 
@@ -72,8 +73,10 @@ class Planner:
 
     def __init__(self, db: Database, hw_id: int, backend: Backend, settings: SearchSettings,
                  families: Callable[[Problem], list[KernelFamily]], fam_digests: dict[str, str], method: str,
-                 near: Callable[[Problem], list[tuple[str, dict, Problem]]]):
+                 near: Callable[[Problem], list[tuple[str, dict, Problem]]],
+                 on_retry: Callable[[str], None] | None = None):
         self.db, self.hw_id, self.backend, self.settings = db, hw_id, backend, settings
+        self.on_retry = on_retry  # told of each transaction run again after its database server went away
         self.families, self.fam_digests, self.method, self.near = families, fam_digests, method, near
         self._base: dict[int, set] = {}  # per problem, what its search knew itself (defaults, seeds)
         self.untimed: set[int] = set()  # problems left alone: their winner is not among their trials
@@ -85,9 +88,9 @@ class Planner:
         another way (an older method, so not among its trials) is left alone: the new candidates could not be
         compared with it."""
         untried: dict[int, list] = {}
-        won = current_winners(self.db, self.hw_id, self.backend, digests)
-        with self.db.session() as s:
-            tried_by = records.tried_keys(s, self.hw_id, set(problems), self.fam_digests, self.method)
+        won = current_winners(self.db, self.hw_id, self.backend, digests, self.on_retry)
+        tried_by = self.db.transact(lambda s: records.tried_keys(s, self.hw_id, set(problems), self.fam_digests,
+                                                                 self.method), self.on_retry)
         for pid in sorted(problems):
             p, fams = problems[pid], self.families(problems[pid])
             names = {f.name for f in fams}
@@ -109,5 +112,5 @@ class Planner:
 
     def open_pass(self, problems: set[int]) -> dict[int, str]:
         """A pass another machine of this sweep planned and has not finished (its claims not done)."""
-        with self.db.session() as s:
-            return records.open_claims(s, self.hw_id, self.backend, CLAIM_PREFIX, problems)
+        return self.db.transact(lambda s: records.open_claims(s, self.hw_id, self.backend, CLAIM_PREFIX, problems),
+                                self.on_retry)

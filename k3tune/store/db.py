@@ -13,22 +13,28 @@ import signal
 import sqlite3
 import tempfile
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import create_engine, event, inspect, text
 from sqlalchemy.engine import Engine, make_url
-from sqlalchemy.exc import ArgumentError, SQLAlchemyError
+from sqlalchemy.exc import ArgumentError, OperationalError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from k3tune.errors import DatabaseError, SchemaError
 
+T = TypeVar("T")
 MIGRATIONS = Path(__file__).resolve().parent / "migrations"
 BUSY_TIMEOUT_S = 60
 CONNECT_TIMEOUT_S = 30  # PostgreSQL: seconds to connect before the command fails with a one-line error
+# PostgreSQL: the pauses before a transaction that lost its server is run again (``Database.transact``): ~2 min in
+# all, the time a restart or a failover takes
+RETRY_WAITS_S = (1, 2, 4, 8, 15, 30, 30, 30)
 
 
 def _alembic_config() -> Config:
@@ -266,14 +272,36 @@ class Database:
             yield s
             s.commit()
         except SQLAlchemyError as e:
-            s.rollback()
-            raise DatabaseError(f"database error on {self.name}: {_short(e)}") from None
+            with contextlib.suppress(SQLAlchemyError):  # a lost connection may fail its rollback too
+                s.rollback()
+            # a server's disconnects, and its refusals while it restarts or fails over, are operational errors
+            transient = not self.is_sqlite and (isinstance(e, OperationalError)
+                                                or getattr(e, "connection_invalidated", False))
+            raise DatabaseError(f"database error on {self.name}: {_short(e)}", transient=transient) from None
         finally:
             s.close()
             _SESSIONS[0] -= main
             if main and not _SESSIONS[0] and _DEFERRED[0]:
                 _DEFERRED[0] = False
                 raise KeyboardInterrupt
+
+    def transact(self, work: Callable[[Session], T], on_retry: Callable[[str], None] | None = None) -> T:
+        """``work(session)`` in one transaction, as ``session``, returning what it returns. On PostgreSQL a transaction
+        whose server went away (restarted, failed over, dropped the connection) is run again on a new connection
+        after each pause of ``RETRY_WAITS_S``, ``on_retry`` told why; a sweep's hours survive a server's minute.
+        ``work`` must be safe to run again: it is, when its transaction was rolled back, which is almost always;
+        a commit whose answer was lost may have landed, so a retried write must tolerate its own earlier copy."""
+        for wait in (*RETRY_WAITS_S, None):
+            try:
+                with self.session() as s:
+                    return work(s)
+            except DatabaseError as e:
+                if wait is None or not e.transient:
+                    raise
+                if on_retry:
+                    on_retry(f"{e}; retrying in {wait} s")
+                time.sleep(wait)
+        raise AssertionError("unreachable")
 
     def quick_check(self) -> list[str]:
         """SQLite's integrity check ('ok' when sound); empty for other databases."""

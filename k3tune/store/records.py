@@ -16,7 +16,7 @@ from datetime import timedelta
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from sqlalchemy import and_, or_, select, update
+from sqlalchemy import and_, or_, select, true, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
@@ -205,17 +205,22 @@ def _by_digest(wanted: dict[int, str]) -> list[tuple[str, list[int]]]:
 
 
 def claim(session: Session, hw_id: int, backend: Backend, owner: str, wanted: dict[int, str], n: int,
-          lease_s: float) -> list[int]:
-    """Claim up to n pending (or expired) problems of ``wanted`` (problem id -> op digest), in its order."""
+          lease_s: float, held: set[int] | None = None) -> list[int]:
+    """Claim up to n pending (or expired) problems of ``wanted`` (problem id -> op digest), in its order. With
+    ``held`` (the problems the owner has open), the owner's claims on any other problem are taken too: a claim
+    whose commit landed while its answer was lost (the server went away) is the owner's, unknown to it, and
+    renewed with the rest; taken by no one otherwise."""
     now = utcnow()
     got: list[tuple[int, int]] = []
+    mine = [] if held is None else [and_(Claim.state == "claimed", Claim.owner == owner,
+                                         Claim.problem_id.not_in(held) if held else true())]
     for digest, chunk in _by_digest(wanted):
         if len(got) >= n:
             break
         q = (select(Claim.id, Claim.problem_id)
              .where(Claim.hardware_id == hw_id, Claim.backend == backend, Claim.op_digest == digest,
                     Claim.problem_id.in_(chunk),
-                    or_(Claim.state == "pending", and_(Claim.state == "claimed", Claim.expires_at < now)))
+                    or_(Claim.state == "pending", and_(Claim.state == "claimed", Claim.expires_at < now), *mine))
              .order_by(Claim.problem_id).limit(n - len(got)).with_for_update(skip_locked=True))
         got.extend(session.execute(q).all())
     if got:
