@@ -24,7 +24,7 @@ def _sweep_cmd(url):
 
 
 def test_two_machines_share_one_sweep_without_overlap(pg_url):
-    store_db.open_db(pg_url).dispose()  # schema first, so both start on an initialised database
+    # both start on the new, empty database: one makes its schema while the other waits on the lock
     procs = [subprocess.Popen(_sweep_cmd(pg_url), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for _ in range(2)]
     outs = [p.communicate(timeout=300) for p in procs]

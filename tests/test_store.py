@@ -222,6 +222,31 @@ def test_sixteen_concurrent_writers_lose_nothing(any_db_url):
         assert s.scalar(select(func.count()).select_from(Trial)) == 16 * 40
 
 
+def _open_at_once(url, barrier):
+    barrier.wait()
+    store_db.open_db(url).dispose()
+
+
+def test_processes_starting_on_one_new_database_at_once_all_open_it(any_db_url, tmp_path):
+    """Sweeps started together on one new database (two shells, two machines) each found it without a schema and
+    made it: one failed on the other's tables ("has tables ... but no k3tune schema version", or "already exists",
+    exit 4). The schema is now made under the database's write lock and looked for again inside it."""
+    sqlite = "://" not in any_db_url
+    urls = [str(tmp_path / f"new{i}.sqlite") for i in range(6)] if sqlite else [any_db_url]
+    ctx = mp.get_context("spawn")
+    for url in urls:
+        barrier = ctx.Barrier(6)
+        procs = [ctx.Process(target=_open_at_once, args=(url, barrier)) for _ in range(6)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(120)
+        assert [p.exitcode for p in procs] == [0] * 6, url
+        db = store_db.open_db(url, create=False)
+        assert db.revision() == store_db.head_revision()
+        db.dispose()
+
+
 def _winner(db, hw, pid, median, family="gemm.cublas", method=""):
     with db.session() as s:
         records.save_winner(s, hardware_id=hw, problem_id=pid, op_digest="od", backend=Backend.simulated, family=family,

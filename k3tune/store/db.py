@@ -35,6 +35,7 @@ CONNECT_TIMEOUT_S = 30  # PostgreSQL: seconds to connect before the command fail
 # PostgreSQL: the pauses before a transaction that lost its server is run again (``Database.transact``): ~2 min in
 # all, the time a restart or a failover takes
 RETRY_WAITS_S = (1, 2, 4, 8, 15, 30, 30, 30)
+SCHEMA_LOCK_KEY = 0x6B337475  # PostgreSQL advisory lock held while a new database's schema is made ("k3tu")
 
 
 def _alembic_config() -> Config:
@@ -232,14 +233,13 @@ class Database:
     def ensure_schema(self, create: bool) -> None:
         try:
             rev = self.revision()
-            if rev is None:
+            if rev is None and create:
+                rev = self._create_schema()
+            elif rev is None:
                 tables = inspect(self.engine).get_table_names()
                 if tables:
                     raise SchemaError(f"{self.name}: has tables {tables[:4]} but no k3tune schema version")
-                if not create:
-                    raise SchemaError(f"{self.name}: empty database (no k3tune schema)")
-                self.migrate()
-                return
+                raise SchemaError(f"{self.name}: empty database (no k3tune schema)")
         except (SQLAlchemyError, sqlite3.DatabaseError) as e:
             raise DatabaseError(f"cannot read database {self.name}: {_short(e)}") from None
         head = head_revision()
@@ -248,6 +248,27 @@ class Database:
         if rev in known_revisions():
             raise SchemaError(f"database schema {rev} is older than {head}: run `k3tune db upgrade {self.name}`")
         raise newer_schema(rev)
+
+    def _create_schema(self) -> str:
+        """The schema made where there is none, under the database's write lock, looked at again once the lock is
+        held: two sweeps starting on one new database (two machines, two shells) both found it empty and both
+        created it, or one read the other's half-made tables and refused them as "no k3tune schema version".
+        Returns the revision then current (another process's, where it came first)."""
+        from alembic import command
+
+        with self.engine.begin() as conn:  # SQLite: BEGIN IMMEDIATE, the write lock; PostgreSQL: an advisory lock
+            if not self.is_sqlite:
+                conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": SCHEMA_LOCK_KEY})
+            rev = MigrationContext.configure(conn).get_current_revision()
+            if rev is not None:
+                return rev
+            tables = inspect(conn).get_table_names()
+            if tables:
+                raise SchemaError(f"{self.name}: has tables {tables[:4]} but no k3tune schema version")
+            cfg = _alembic_config()
+            cfg.attributes["connection"] = conn
+            command.upgrade(cfg, "head")
+        return head_revision()
 
     def migrate(self, revision: str = "head") -> None:
         from alembic import command
