@@ -573,7 +573,7 @@ def _run_phase(opt: SweepOptions, plan: plans.Plan, t_start: float) -> SweepStat
                 if not wanted:
                     break
                 for pid, w in polish.current_winners(opt.db, hw_id, label, {
-                        pid: wanted_all[pid] for pid in set(wanted) - set(incumbent)}).items():
+                        pid: wanted_all[pid] for pid in set(wanted) - set(incumbent)}, db_retry).items():
                     incumbent[pid] = w  # what the search chose, before any polish pass
                 opt.db.transact(lambda s: records.plan_claims(s, hw_id, label, wanted), db_retry)
                 polished_ids.update(wanted)
@@ -581,7 +581,7 @@ def _run_phase(opt: SweepOptions, plan: plans.Plan, t_start: float) -> SweepStat
                 stats.polish_passes += 1
             stats.polish_untimed = len(planner.untimed)
             stats.polish_changed = sum(1 for pid, w in polish.current_winners(opt.db, hw_id, label, {
-                pid: wanted_all[pid] for pid in incumbent}).items() if incumbent[pid] != w)
+                pid: wanted_all[pid] for pid in incumbent}, db_retry).items() if incumbent[pid] != w)
             if polish_start:
                 stats.polish_s = time.monotonic() - polish_start
         status = "done"

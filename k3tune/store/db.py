@@ -267,7 +267,10 @@ class Database:
                 raise SchemaError(f"{self.name}: has tables {tables[:4]} but no k3tune schema version")
             cfg = _alembic_config()
             cfg.attributes["connection"] = conn
-            command.upgrade(cfg, "head")
+            try:
+                command.upgrade(cfg, "head")
+            except SQLAlchemyError as e:  # (as ``migrate`` says it)
+                raise DatabaseError(f"migration failed on {self.name}: {_short(e)}") from None
         return head_revision()
 
     def migrate(self, revision: str = "head") -> None:
