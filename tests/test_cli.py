@@ -4,6 +4,7 @@ non-zero exit, with the traceback behind K3TUNE_DEBUG=1."""
 import json
 import re
 import shutil
+import tomllib
 from contextlib import closing
 from pathlib import Path
 
@@ -130,6 +131,30 @@ def test_known_errors_are_one_line(argv, msg, code, capsys):
     assert main(argv) == code
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and msg in err and "\n" not in err
+
+
+def test_a_specs_model_config_is_read_beside_the_spec(tmp_path, monkeypatch, capsys):
+    """A spec's relative ``[model] config`` was read against the working directory: from anywhere else `plan` said
+    "model config not found", or took another file of that name there. It is read beside the spec now."""
+    from k3tune.plan import spec as specs
+
+    raw = json.loads((specs.configs_dir() / "kimi_k3_config.json").read_text())
+    raw["text_config"]["num_experts"] = 512
+    folder = tmp_path / "specs"
+    folder.mkdir()
+    (folder / "mine.json").write_text(json.dumps(raw))
+    text = (specs.configs_dir() / "sweep_smoke.toml").read_text().replace(
+        "[matrix]", '[model]\nconfig = "mine.json"\n\n[matrix]')
+    (folder / "mine.toml").write_text(text)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "mine.json").write_text("{}")  # a namesake in the working directory, not the spec's
+    monkeypatch.chdir(elsewhere)
+    assert main(["plan", "--spec", str(folder / "mine.toml"), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert all("experts=512" in p["key"] for p in out["problems"]["moe.block"]), out["problems"]["moe.block"][:1]
+    # where the spec lies is no part of its digest
+    assert specs.load(folder / "mine.toml").digest() == specs.from_dict(tomllib.loads(text), "mine").digest()
 
 
 def test_bad_files_are_one_line_and_untouched(tmp_path, capsys):

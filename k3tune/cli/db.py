@@ -102,7 +102,7 @@ def verify(db: DbArg = None, spec: SpecOption = None, config: ConfigOption = Non
     Example: k3tune db verify k3tune.sqlite --spec smoke
     """
     sp = specs.load(spec)
-    plan = plans.build(sp, models.load(config or sp.model_config))
+    plan = plans.build(sp, models.load(config or sp.model_config_path()))
     require_db(db_target(db))  # a missing file is bad input, not a verdict on a database
     try:
         v = inspect.verify(store_db.open_db(db_target(db), create=False, readonly=True, check_schema=False), plan)

@@ -53,7 +53,7 @@ def lookup(
     log.addHandler(quiet)
     try:
         sel = Selector.load(db, simulated=simulate, measured_on=hardware, spec=sp,
-                            model=models.load(config or sp.model_config))
+                            model=models.load(config or sp.model_config_path()))
         choices = sel.layer(tp, batch, draft, dcp, context)
     finally:
         log.removeHandler(quiet)

@@ -36,7 +36,7 @@ def plan(spec: SpecOption = None, config: ConfigOption = None, json: JsonOption 
     Example: k3tune plan --spec smoke
     """
     sp = specs.load(spec)
-    p = plans.build(sp, models.load(config or sp.model_config))
+    p = plans.build(sp, models.load(config or sp.model_config_path()))
     by_op: dict[str, list[plans.Problem]] = defaultdict(list)
     for prob in p.problems:
         by_op[prob.op].append(prob)

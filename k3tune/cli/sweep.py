@@ -67,7 +67,7 @@ def sweep(
       k3tune sweep --db h100.sqlite --warm-from H200        # h100.sqlite: a copy of tuning_db/h200.sqlite
     """
     sp = specs.load(spec)
-    model = models.load(config or sp.model_config)
+    model = models.load(config or sp.model_config_path())
     plan = problems.build(sp, model)  # an unknown op or a tp the widths do not divide: before any database or worker
     hw = None
     if simulate is not None:

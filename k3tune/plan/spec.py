@@ -7,6 +7,7 @@ Every value is validated here so that a bad spec fails before any work starts.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import tomllib
@@ -60,13 +61,26 @@ class SweepSpec:
     routing: str
     search: SearchSettings
     model_config: str | None
+    base_dir: str | None = None  # the folder of the spec's file, against which a relative model_config is read
 
     def digest(self) -> str:
         d = asdict(self)
+        del d["base_dir"]  # where the spec lies is no part of what it tunes
         for knob, unset in (("whole", []), ("neighbours", 4)):  # a spec that leaves it unset keeps the digest its
             if d["search"][knob] == unset:  # runs recorded before the setting existed
                 del d["search"][knob]
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+    def model_config_path(self) -> str | None:
+        """The spec's model config as a path to load: a relative one read against the spec's folder where it is
+        there (it was read against the working directory: from anywhere else the spec found no config, or
+        another one of that name), else as written (a bare name may be one of configs/)."""
+        if self.model_config and self.base_dir and not Path(self.model_config).is_absolute():
+            beside = Path(self.base_dir) / self.model_config
+            if beside.exists():
+                return str(beside)
+        return self.model_config
 
 
 def _ints(section: dict, key: str, where: str, default=None) -> tuple[int, ...]:
@@ -220,7 +234,7 @@ def load(path: str | Path | None = None) -> SweepSpec:
         raise ConfigError(f"{p}: malformed TOML ({e})") from None
     except OSError as e:  # unreadable (permissions, a device)
         raise ConfigError(f"sweep spec {p}: cannot be read ({e.strerror or e})") from None
-    return from_dict(raw, p.stem)
+    return dataclasses.replace(from_dict(raw, p.stem), base_dir=str(p.resolve().parent))
 
 
 def bucket(value: int, buckets: tuple[int, ...]) -> int:
