@@ -186,6 +186,37 @@ def test_bad_lookups_raise_clear_errors(smoke_db, args, msg):
         sel.lookup(**args)
 
 
+def test_a_block_tuned_under_a_trace_is_served_under_it_by_any_path(tmp_path, monkeypatch):
+    """A trace's key names the path the sweep read it from; the serving machine keeps its copy elsewhere. Told the
+    same trace (its content) at another path, serving took the blocks tuned for uniform routing instead."""
+    import shutil
+
+    from k3tune.plan import hardware, model, spec
+    from k3tune.search.driver import SweepOptions, run_sweep
+    from k3tune.store.db import open_db
+
+    shipped = spec.configs_dir() / "routing" / "synthetic.jsonl"
+    (tmp_path / "sweep").mkdir()
+    (tmp_path / "serve").mkdir()
+    at_sweep, at_serve = tmp_path / "sweep" / "prod.jsonl", tmp_path / "serve" / "prod.jsonl"
+    shutil.copy(shipped, at_sweep)
+    shutil.copy(shipped, at_serve)
+    sp = spec.from_dict({"matrix": {"tp": [16], "batch": [8], "routing": f"trace:{at_sweep}", "ops": ["moe.block"]},
+                         "buckets": {"tokens": [8], "batch": [8], "query_len": [1]},
+                         "search": {"budget": 4, "samples": 5, "remeasure_top": 1}})
+    db = open_db(tmp_path / "t.sqlite")
+    assert run_sweep(SweepOptions(sp, model.load(), db, "simulated", 1, hw=hardware.spec("gb300"))).problems_done == 1
+    db.close()
+    c = Selector.load(tmp_path / "t.sqlite", simulated="gb300", routing=f"trace:{at_serve}").lookup(
+        "moe.block", tp=16, batch=8)
+    assert c.source == "simulated" and not c.approx and f"routing=trace:{at_serve}@" in c.problem
+    other = tmp_path / "serve" / "other.jsonl"  # another trace: one token fewer
+    other.write_text(at_serve.read_text().rsplit("\n", 2)[0] + "\n")
+    c = Selector.load(tmp_path / "t.sqlite", simulated="gb300", routing=f"trace:{other}").lookup(
+        "moe.block", tp=16, batch=8)
+    assert c.source == "heuristic default"  # (this database tuned no block for uniform routing)
+
+
 def test_table_hash_agrees_across_loads_and_changes_with_content(smoke_db, tmp_path):
     a = Selector.load(smoke_db, simulated="gb300")
     b = Selector.load(smoke_db, simulated="gb300")

@@ -92,6 +92,17 @@ def _measured_fingerprint(db, name: str) -> tuple[Fingerprint | None, str]:
     return Fingerprint(h.name, h.compute_capability, h.sm_count, h.memory_gib, h.driver, h.cuda, False), ""
 
 
+def _same_trace(dims: dict, own: str) -> dict:
+    """A block tuned under a routing trace is served under that trace (its content digest) named by another path:
+    a trace's key names the path the sweep read it from (``trace:/data/prod.jsonl@d1g3st``), which the serving
+    machine need not share (its blocks were served as 'tuned for uniform routing')."""
+    r = dims.get("routing")
+    if (r != own and isinstance(r, str) and r.startswith("trace:") and own.startswith("trace:")
+            and r.rsplit("@", 1)[-1] == own.rsplit("@", 1)[-1]):
+        return {**dims, "routing": own}
+    return dims
+
+
 class Selector:
     def __init__(self, spec: specs.SweepSpec, model: models.ModelConfig):
         self.spec = spec
@@ -206,12 +217,15 @@ class Selector:
         stale: set[str] = set()  # problem keys with a winner for another op digest
         refused = 0
         lab = "simulated" if fp.simulated else "measured"
+        own = routings.canonical_cached(self.spec.routing, self.model.num_experts, self.model.top_k)
         for op, key, dims, digest, fam, params, median in rows:
             if op not in current or digest != current[op]:
                 stale.add(key)
                 continue
             try:
-                problem = plans.Problem(op, plans.OPS[op].kind, tuple(dims.items()))
+                served = _same_trace(dims, own)
+                problem = plans.Problem(op, plans.OPS[op].kind, tuple(served.items()))
+                key = problem.key if served is not dims else key
                 get_family(fam).config_from_params(problem, params)
             except (CannotImplement, ConfigError) as e:
                 refused += 1
