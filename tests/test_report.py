@@ -7,6 +7,7 @@ import os
 import sqlite3
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -79,11 +80,14 @@ def test_the_plot_is_written_whole_or_refused_in_one_line(tmp_path, capsys):
     mask = os.umask(0)
     os.umask(mask)
     assert png.stat().st_mode & 0o777 == 0o666 & ~mask  # as any file the user writes (was mkstemp's 0600)
-    for bad, msg in [(tmp_path / "no" / "x.png", "is not a directory"), (tmp_path / "x.docx", "name it .png")]:
+    (tmp_path / "dir.png").mkdir()
+    for bad, msg in [(tmp_path / "no" / "x.png", "is not a directory"), (tmp_path / "x.docx", "name it .png"),
+                     (tmp_path / "dir.png", "it is a directory"),  # these two were tracebacks, after the drawing
+                     (Path("/proc/k3tune.png"), "cannot write the plot /proc/k3tune.png")]:
         assert main(["db", "report", str(H200_DB), "--plot", str(bad)]) == 2
         err = capsys.readouterr().err
         assert msg in err and len(err.strip().splitlines()) == 1
-        assert not bad.exists()
+        assert not bad.exists() or bad.is_dir()
 
 
 def test_a_piped_report_keeps_its_numbers():

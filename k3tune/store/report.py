@@ -116,6 +116,8 @@ def plot(data: dict, path: str | os.PathLike) -> Path:
     path = Path(path)
     if not path.parent.is_dir():
         raise ConfigError(f"cannot write the plot {path}: {path.parent} is not a directory")
+    if path.is_dir():  # (the plot was drawn, then its rename onto the folder was an IsADirectoryError traceback)
+        raise ConfigError(f"cannot write the plot {path}: it is a directory")
     formats = FigureCanvasBase.get_supported_filetypes()
     if path.suffix.lstrip(".").lower() not in formats:
         raise ConfigError(f"cannot write the plot {path}: name it .png, .svg or .pdf "
@@ -141,7 +143,11 @@ def plot(data: dict, path: str | os.PathLike) -> Path:
     for ax in list(axes.flat)[len(panels):]:
         ax.set_visible(False)
     fig.tight_layout()
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=path.suffix)
+    try:  # a folder the user may not write (or /proc) was a FileNotFoundError/PermissionError traceback
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=path.suffix)
+    except OSError as e:
+        plt.close(fig)
+        raise ConfigError(f"cannot write the plot {path}: {e.strerror or e}") from None
     os.close(fd)
     try:
         fig.savefig(tmp, dpi=130)
