@@ -95,7 +95,7 @@ def _check_layer_indices(kda: list, full: list, layers: int, source: str) -> Non
         if bad:
             raise ConfigError(f"{source}: {name} must hold integer layer indices, got {bad[0]!r}")
     both = sorted(kda + full)
-    if both and both != list(range(both[0], both[0] + layers)) or (both and both[0] not in (0, 1)):
+    if both and (both[0] not in (0, 1) or both != list(range(both[0], both[0] + layers))):
         dup = sorted({i for i in both if both.count(i) > 1})
         what = f"layer {dup[0]} is listed twice" if dup else f"indices run {both[0]}..{both[-1]}"
         raise ConfigError(f"{source}: kda_layers and full_attn_layers must cover layers 1..{layers} once each: "

@@ -71,7 +71,6 @@ class SweepSpec:
                 del d["search"][knob]
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
-
     def model_config_path(self) -> str | None:
         """The spec's model config as a path to load: a relative one read against the spec's folder where it is
         there (it was read against the working directory: from anywhere else the spec found no config, or
