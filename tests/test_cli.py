@@ -165,6 +165,15 @@ def test_bad_files_are_one_line_and_untouched(tmp_path, capsys):
     assert notdb.read_text() == "hello"
     assert main(["sweep", "--simulate", "gb300", "--spec", "smoke", "--db", str(tmp_path)]) == 4
     assert "is a directory, not a database file" in capsys.readouterr().err  # was "disk I/O error"
+    # a file where the database's folder would go: FileExistsError tracebacks from sweep, export and merge
+    from k3tune.shipped import tuning_db_dir
+
+    shipped = tuning_db_dir() / "h200.sqlite"
+    for argv in (["sweep", "--simulate", "gb300", "--spec", "smoke", "--db", str(notdb / "sub" / "k.sqlite")],
+                 ["db", "export", str(shipped), str(notdb / "e.sqlite")],
+                 ["db", "merge", str(notdb / "m.sqlite"), str(shipped)]):
+        assert main(argv) == 4, argv
+        assert f"{notdb} is a file" in capsys.readouterr().err
     bad = tmp_path / "bad.toml"
     bad.write_text("[matrix")
     assert main(["plan", "--spec", str(bad)]) == 2

@@ -140,6 +140,17 @@ def interrupts_between_sessions(signals=(signal.SIGINT, signal.SIGTERM)):
         _DEFERRED[0] = False
 
 
+def make_parent(path: Path) -> None:
+    """The folders a new database file goes in (a file on that path was a FileExistsError traceback)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        blocker = next(p for p in (path.parent, *path.parent.parents) if p.exists())  # the nearest that exists
+        raise DatabaseError(f"cannot make the folder for {path}: {blocker} is a file") from None
+    except OSError as e:
+        raise DatabaseError(f"cannot make the folder for {path}: {e.strerror or e}") from None
+
+
 class Database:
     """A tuning database: engine, schema state, sessions."""
 
@@ -152,7 +163,7 @@ class Database:
             if not self.path.exists():
                 if readonly or not create:
                     raise DatabaseError(f"database not found: {self.path}")
-                self.path.parent.mkdir(parents=True, exist_ok=True)
+                make_parent(self.path)
         self.engine = self._make_engine()
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
         if check_schema:

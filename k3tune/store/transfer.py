@@ -18,7 +18,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from k3tune.errors import DatabaseError
-from k3tune.store.db import Database, leave_wal_mode, shown_url
+from k3tune.store.db import Database, leave_wal_mode, make_parent, shown_url
 from k3tune.store.models import Hardware, ProblemRow, Run, Software, Trial, Winner
 from k3tune.store.records import insert_ignore
 
@@ -34,8 +34,11 @@ def atomic_sqlite(dest: str | os.PathLike, start_from: Path | None = None) -> It
     """A fresh (or copied) SQLite database at a temp path that replaces ``dest`` only on success."""
     _refuse_url(dest)
     dest = Path(dest).resolve()
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
+    make_parent(dest)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
+    except OSError as e:  # a folder this user may not write
+        raise DatabaseError(f"cannot write {dest}: {e.strerror or e}") from None
     os.close(fd)
     os.unlink(tmp)
     db = None
