@@ -186,6 +186,17 @@ def test_bad_lookups_raise_clear_errors(smoke_db, args, msg):
         sel.lookup(**args)
 
 
+def test_a_spec_given_without_a_model_serves_the_spec_s_model():
+    """``Selector.load(spec=the bf16-expert spec)`` planned with K3's published (MXFP4) config: it served the MXFP4
+    blocks' knobs to a bf16 checkpoint. The spec's model config is the default model now."""
+    from k3tune.plan import spec
+    from k3tune.shipped import tuning_db_dir
+
+    sel = Selector.load(tuning_db_dir() / "h200.sqlite", measured_on="h200", spec=spec.load("h200_moe_bf16"))
+    c = sel.lookup("moe.block", tp=8, batch=4)
+    assert "format=bf16" in c.problem and c.source == "measured", (c.problem, c.source)
+
+
 def test_a_block_tuned_under_a_trace_is_served_under_it_by_any_path(tmp_path, monkeypatch):
     """A trace's key names the path the sweep read it from; the serving machine keeps its copy elsewhere. Told the
     same trace (its content) at another path, serving took the blocks tuned for uniform routing instead."""

@@ -132,10 +132,13 @@ class Selector:
         inspect a database elsewhere); otherwise the detected GPU's measured winners (or ``fingerprint``'s), from
         ``db``, else ``$K3TUNE_SERVE_DB`` (what a sweep's workers read), else the database shipped for that GPU.
         ``routing`` (default ``$K3TUNE_ROUTING``, else the spec's): the expert routing the MoE block serves,
-        e.g. ``zipf:1.2``; blocks tuned for it are served, else those tuned for uniform routing (labelled so)."""
+        e.g. ``zipf:1.2``; blocks tuned for it are served, else those tuned for uniform routing (labelled so).
+        ``model`` defaults to the spec's model config, else K3's published one."""
         if simulated and measured_on:  # one table or the other: both served neither (a warning, heuristic defaults)
             raise ConfigError(f"serve the simulated winners of {simulated} or the measured winners of {measured_on}, "
                               "not both (--simulate or --hardware)")
+        if model is None and spec is not None and spec.model_config:  # the spec's model (the default K3 config
+            model = models.load(spec.model_config_path())  # keyed its bf16-expert blocks as MXFP4: none served)
         gc_was_on = gc.isenabled()
         gc.disable()  # thousands of small objects, none cyclic: collections would only cost time
         try:
