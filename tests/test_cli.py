@@ -157,6 +157,18 @@ def test_a_specs_model_config_is_read_beside_the_spec(tmp_path, monkeypatch, cap
     assert specs.load(folder / "mine.toml").digest() == specs.from_dict(tomllib.loads(text), "mine").digest()
 
 
+def test_a_redirected_sweep_logs_progress_lines(tmp_path, monkeypatch, capsys):
+    """Redirected to a file (a batch job's log), rich drew no progress until the sweep's end: hours of nothing.
+    Without a terminal the sweep prints a progress line every LOG_EVERY_S seconds."""
+    import k3tune.cli.sweep as sweep_cli
+
+    monkeypatch.setattr(sweep_cli, "LOG_EVERY_S", 0.0)
+    assert main(["sweep", "--simulate", "gb300", "--spec", "smoke", "--db", str(tmp_path / "p.sqlite")]) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("progress: ")]
+    assert len(lines) > 3 and re.match(r"progress: \d+/48 problems, \d+ trials, 0 failed", lines[0]), lines[:2]
+    assert lines[-1].startswith("progress: 48/48 problems")
+
+
 def test_bad_files_are_one_line_and_untouched(tmp_path, capsys):
     notdb = tmp_path / "x.sqlite"
     notdb.write_text("hello")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shlex
 import sys
+import time
 from pathlib import Path
 from typing import Annotated
 
@@ -34,6 +35,7 @@ def _visible_gpus() -> int:
 MIN_LEASE_S = 10.0
 MAX_WAIT_S = 7 * 86400.0  # a week: the longest trial timeout or claim lease a sweep takes
 MAX_SIMULATED_WORKERS = 72  # one GB300 NVL72 domain; each worker is a process, so a typo (1600) would start 1600
+LOG_EVERY_S = 60.0  # piped or redirected output: seconds between progress lines
 
 
 def sweep(
@@ -121,14 +123,22 @@ def sweep(
         task = progress.add_task(f"sweep ({label}, {workers} workers)", total=None, info="starting workers")
 
         retries_shown = [0]
+        # piped or redirected (a batch job's log), rich draws no bar until the end: a line every LOG_EVERY_S instead
+        log_lines = not json and not progress.console.is_terminal
+        next_line = [time.monotonic() + LOG_EVERY_S]
 
         def on_progress(st: SweepStats) -> None:
             for msg in st.db_retries[retries_shown[0]:]:  # the sweep waits on its database server: say so
                 (err_console if json else progress.console).print(f"[yellow]warning:[/] {escape(msg)}")
             retries_shown[0] = len(st.db_retries)
             best = f" best {st.best_speedup:.2f}x vs default" if st.best_speedup else ""
-            progress.update(task, total=st.problems_total, completed=st.problems_done_before + st.problems_done,
+            done = st.problems_done_before + st.problems_done
+            progress.update(task, total=st.problems_total, completed=done,
                             info=f"problems, {st.trials} trials, {st.failed} failed{best}")
+            if log_lines and time.monotonic() >= next_line[0]:
+                next_line[0] = time.monotonic() + LOG_EVERY_S
+                progress.console.print(f"progress: {done}/{st.problems_total} problems, {st.trials} trials, "
+                                       f"{st.failed} failed{best}, {st.seconds:.0f} s", highlight=False)
 
         try:
             with interrupts_between_sessions():  # Ctrl-C or a scheduler's SIGTERM: a clean stop
