@@ -137,8 +137,9 @@ class Selector:
         if simulated and measured_on:  # one table or the other: both served neither (a warning, heuristic defaults)
             raise ConfigError(f"serve the simulated winners of {simulated} or the measured winners of {measured_on}, "
                               "not both (--simulate or --hardware)")
-        if model is None and spec is not None and spec.model_config:  # the spec's model (the default K3 config
-            model = models.load(spec.model_config_path())  # keyed its bf16-expert blocks as MXFP4: none served)
+        # the spec's model, not K3's published config (which keyed a bf16-expert spec's blocks as MXFP4)
+        if model is None and spec is not None and spec.model_config:
+            model = models.load(spec.model_config_path())
         gc_was_on = gc.isenabled()
         gc.disable()  # thousands of small objects, none cyclic: collections would only cost time
         try:
