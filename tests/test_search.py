@@ -318,7 +318,7 @@ def _live_members(pgid: int) -> list[int]:
     return out
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=["ctrl-c", "sigterm", "hangup"])
 def test_ctrl_c_mid_sweep_says_so_and_keeps_its_trials(tmp_path, sig):
     """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) mid-sweep: exit 130 with a one-line
     message saying how to resume (typer turned it into a silent 130 before), no traceback, the run marked

@@ -118,9 +118,10 @@ _DEFERRED = [False]  # an interrupt that arrived inside one, raised when the las
 
 
 @contextlib.contextmanager
-def interrupts_between_sessions(signals=(signal.SIGINT, signal.SIGTERM)):
-    """Ctrl-C, and SIGTERM (a job scheduler's stop, ``timeout``, ``kill``), raise KeyboardInterrupt between database
-    sessions, never inside one: one arriving inside waits until the session has committed or rolled back and
+def interrupts_between_sessions(signals=(signal.SIGINT, signal.SIGTERM, signal.SIGHUP)):
+    """Ctrl-C, SIGTERM (a job scheduler's stop, ``timeout``, ``kill``) and SIGHUP (the ssh session of a sweep run in
+    its foreground dropped: it was killed where it stood) raise KeyboardInterrupt between database sessions, never
+    inside one: one arriving inside waits until the session has committed or rolled back and
     returned its connection. Python's own SIGINT handler raises anywhere: inside SQLAlchemy's commit or pool reset
     it left a sweep's run marked running and printed the pool's traceback (the Ctrl-C test failed about 1 run in
     7, s35); SIGTERM killed the sweep where it stood, its claims left to expire. Main thread only; the old handlers
