@@ -274,3 +274,19 @@ def test_checkpoint_check_command(tmp_path):
     assert rc == 1 and sorted(out["problems"]) == [
         f"{scale} is stored as BF16, expected U8",
         f"{N.latent_up.format(layer=LAYER)} is stored as F8_E4M3, expected BF16 or F16 or F32"]
+
+
+def test_checkpoint_check_types_the_config_it_is_given(tmp_path, capsys):
+    """A config's MoE widths were taken as written: a string hidden_size or top-k past the experts went on into
+    shape checks. They are checked as `plan` checks them, before any checkpoint file is read."""
+    from k3tune.cli import main
+
+    for change, msg in (({"hidden_size": "7168"}, "field 'hidden_size' must be an integer"),
+                        ({"num_experts_per_token": 9}, "num_experts_per_token 9 exceeds num_experts 8")):
+        cfg = {"text_config": {"hidden_size": 64, "num_experts": 8, "num_experts_per_token": 2,
+                               "routed_expert_hidden_size": 32, "moe_intermediate_size": 64, "num_shared_experts": 2,
+                               "num_hidden_layers": 5, "first_k_dense_replace": 1, **change}}
+        (tmp_path / "config.json").write_text(json.dumps(cfg))
+        assert main(["checkpoint", "check", str(tmp_path / "none"), "--config", str(tmp_path / "config.json")]) == 2
+        err = capsys.readouterr().err
+        assert msg in err and len(err.strip().splitlines()) == 1, err

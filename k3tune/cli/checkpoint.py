@@ -48,13 +48,14 @@ def check(
 
     Example: k3tune checkpoint check /models/kimi-k3 --tp 16 --layers 1-4
     """
-    from k3tune.plan.model import read_raw
+    from k3tune.plan.model import check_moe_fields, read_raw
     from k3tune.runtime.checkpoint import check_checkpoint, moe_layers, open_source
     from k3tune.runtime.moe import BlockShape
 
     if bad := [t for t in tp if t < 1]:  # tp 0 was a ZeroDivisionError traceback; a negative one "divided"
         raise ConfigError(f"--tp must be at least 1, not {bad[0]}")
     raw, cfg_path = read_raw(config)
+    check_moe_fields(raw, str(cfg_path))  # typed as plan checks them (a string width made odd shape problems)
     shape = BlockShape.from_config(cfg_path)
     which = _layers(layers, moe_layers(raw))
     src = open_source(path)

@@ -102,6 +102,21 @@ def _check_layer_indices(kda: list, full: list, layers: int, source: str) -> Non
                           f"{what}")
 
 
+def check_moe_fields(raw: dict, source: str) -> None:
+    """The MoE block's fields alone (a checkpoint check's config may hold no more): whole and positive, top-k
+    within the experts. K3's nested layout (``text_config``) or a flat one."""
+    cfg = raw.get("text_config", raw) if isinstance(raw, dict) else raw
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{source}: expected a JSON object")
+    for key in ("hidden_size", "num_experts", "num_experts_per_token", "moe_intermediate_size", "num_shared_experts"):
+        _get(cfg, key, int, source)
+    if "routed_expert_hidden_size" in cfg:
+        _get(cfg, "routed_expert_hidden_size", int, source)
+    if cfg["num_experts_per_token"] > cfg["num_experts"]:
+        raise ConfigError(f"{source}: num_experts_per_token {cfg['num_experts_per_token']} exceeds num_experts "
+                          f"{cfg['num_experts']}")
+
+
 def from_dict(raw: dict, source: str = "config") -> ModelConfig:
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: expected a JSON object")
@@ -124,11 +139,10 @@ def from_dict(raw: dict, source: str = "config") -> ModelConfig:
     _check_layer_indices(kda, full, layers, source)
     fmt = _expert_format(cfg.get("quantization_config"), source)
     hidden = _get(cfg, "hidden_size", int, source)
-    num_experts, top_k = _get(cfg, "num_experts", int, source), _get(cfg, "num_experts_per_token", int, source)
-    if top_k > num_experts:
-        raise ConfigError(f"{source}: num_experts_per_token {top_k} exceeds num_experts {num_experts}")
+    check_moe_fields(cfg, source)
+    num_experts, top_k = cfg["num_experts"], cfg["num_experts_per_token"]
     # absent: the routed experts run at the hidden width (no latent space)
-    latent = _get(cfg, "routed_expert_hidden_size", int, source) if "routed_expert_hidden_size" in cfg else hidden
+    latent = cfg.get("routed_expert_hidden_size", hidden)
     return ModelConfig(
         name=str(name),
         hidden=hidden,
