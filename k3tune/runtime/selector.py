@@ -137,9 +137,9 @@ class Selector:
         if simulated and measured_on:  # one table or the other: both served neither (a warning, heuristic defaults)
             raise ConfigError(f"serve the simulated winners of {simulated} or the measured winners of {measured_on}, "
                               "not both (--simulate or --hardware)")
-        # the spec's model, not K3's published config (which keyed a bf16-expert spec's blocks as MXFP4)
-        if model is None and spec is not None and spec.model_config:
-            model = models.load(spec.model_config_path())
+        # the spec's model, else K3's published config (which keyed a bf16-expert spec's blocks as MXFP4), loaded once
+        if model is None:
+            model = models.load(spec.model_config_path() if spec is not None else None)
         gc_was_on = gc.isenabled()
         gc.disable()  # thousands of small objects, none cyclic: collections would only cost time
         try:
@@ -153,9 +153,8 @@ class Selector:
                 fingerprint = found or fingerprint
             if not routing and (routing := settings.load().routing):
                 # named as the environment's: "unknown routing 'bogus'" alone left a service's operator guessing
-                m = model or models.load()
                 try:
-                    routings.canonical_cached(routing, m.num_experts, m.top_k)
+                    routings.canonical_cached(routing, model.num_experts, model.top_k)
                 except ConfigError as e:
                     raise ConfigError(f"K3TUNE_ROUTING={routing}: {e}") from None
             if routing:

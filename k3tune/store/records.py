@@ -16,7 +16,7 @@ from datetime import timedelta
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from sqlalchemy import and_, or_, select, true, update
+from sqlalchemy import and_, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
@@ -213,7 +213,7 @@ def claim(session: Session, hw_id: int, backend: Backend, owner: str, wanted: di
     now = utcnow()
     got: list[tuple[int, int]] = []
     mine = [] if held is None else [and_(Claim.state == "claimed", Claim.owner == owner,
-                                         Claim.problem_id.not_in(held) if held else true())]
+                                         Claim.problem_id.not_in(held))]
     for digest, chunk in _by_digest(wanted):
         if len(got) >= n:
             break
