@@ -169,7 +169,18 @@ class Database:
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
         if check_schema:
             try:
-                self.ensure_schema(create=create and not readonly)
+                for wait in (0.2, 0.5, 1.0, 2.0, None):
+                    try:
+                        self.ensure_schema(create=create and not readonly)
+                        break
+                    except DatabaseError as e:
+                        # processes opening one new SQLite file at once: while one turns it to WAL mode, another's
+                        # read can get SQLITE_BUSY at once, past the busy timeout (seen once in test_store's
+                        # six-process open)
+                        if wait is None or not self.is_sqlite or "database is locked" not in str(e):
+                            raise
+                        self.engine.dispose()
+                        time.sleep(wait)
             except BaseException:  # refused (no schema, an older one): no pooled connection may outlive the refusal,
                 self.engine.dispose()  # or it keeps the file in WAL mode under the `db upgrade` the error suggests
                 raise
