@@ -419,3 +419,14 @@ def test_export_names_its_hardware_in_any_case_on_either_database(any_db_url, tm
     with pytest.raises(DatabaseError, match="matches no hardware with winners"):
         transfer.export(db, tmp_path / "ship.sqlite", hardware="H200")
     assert (tmp_path / "ship.sqlite").read_bytes() == shipped
+
+
+def test_unwritable_database_named_as_such(db_path):
+    """A sweep into a database it may not write (its file or folder read-only) said "cannot read database": the
+    error now says it cannot write it. Root ignores file modes, so SQLite's own read-only guard stands in for them."""
+    from sqlalchemy import event
+
+    db = store_db.open_db(db_path, check_schema=False)
+    event.listen(db.engine, "connect", lambda conn, _rec: conn.execute("PRAGMA query_only=1"))
+    with pytest.raises(DatabaseError, match=r"cannot write database .*: the file or its folder is read-only"):
+        db.ensure_schema(create=True)

@@ -251,7 +251,13 @@ class Database:
             with self.engine.connect() as conn:
                 return MigrationContext.configure(conn).get_current_revision()
         except (SQLAlchemyError, sqlite3.DatabaseError) as e:
-            raise DatabaseError(f"cannot read database {self.name}: {_short(e)}") from None
+            raise self._open_error(e) from None
+
+    def _open_error(self, e: Exception) -> DatabaseError:
+        msg = _short(e)
+        if not self.readonly and "readonly database" in msg:  # the file or its folder (journal, WAL) not writable
+            return DatabaseError(f"cannot write database {self.name}: the file or its folder is read-only ({msg})")
+        return DatabaseError(f"cannot read database {self.name}: {msg}")
 
     def ensure_schema(self, create: bool) -> None:
         try:
@@ -264,7 +270,7 @@ class Database:
                     raise SchemaError(f"{self.name}: has tables {tables[:4]} but no k3tune schema version")
                 raise SchemaError(f"{self.name}: empty database (no k3tune schema)")
         except (SQLAlchemyError, sqlite3.DatabaseError) as e:
-            raise DatabaseError(f"cannot read database {self.name}: {_short(e)}") from None
+            raise self._open_error(e) from None
         head = head_revision()
         if rev == head:
             return
