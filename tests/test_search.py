@@ -607,6 +607,35 @@ def test_ops_that_run_others_kernels_are_swept_after_them_against_what_they_stor
     assert driver.unmet_runs(db, hw_id, Backend.simulated, "simulated", blocks) == []
 
 
+def test_dense_problems_a_spec_lacks_but_its_blocks_run_are_tuned_in_the_first_phase(tmp_path):
+    """The smoke spec tunes three dense ops beside moe.block, which runs five: its first real-GPU sweep (s66, H100)
+    tuned the dense ops for 89 s, then refused the blocks (24 lookups with no winner) and exited 2. A phased sweep of
+    a spec with dense ops now adds the dense problems its blocks' lookups ask for to the first phase; a blocks-only
+    spec still adds none (it is run against a database that holds them)."""
+    from k3tune.store import records
+    from k3tune.store.models import Backend
+
+    def sp_of(ops):
+        return spec.from_dict({"matrix": {"tp": [16], "batch": [1, 8], "ops": ops},
+                               "buckets": {"tokens": [1, 2, 8, 16], "batch": [1, 8], "query_len": [1]},
+                               "search": {"budget": 4, "samples": 3, "remeasure_top": 1, "polish": 0}})
+    sp = sp_of(["moe.shared_w13", "moe.block"])
+    db = store_db.open_db(str(tmp_path / "mixed.sqlite"))
+    blocks = [p for p in driver.plans.build(sp, model.load()).problems if p.op == "moe.block"]
+    st = run_sweep(dataclasses.replace(_opts(db, sp, workers=2), phased=True))
+    added = sorted(k.split("[")[0] for k in st.added_for_blocks)
+    assert added == ["moe.latent_up"] * 2 + ["moe.router_latent"] * 2 + ["moe.shared_w2"] * 2, st.added_for_blocks
+    assert st.problems_done == st.problems_total == 2 + 2 + 6 and not st.no_winner
+    with db.session() as s:
+        hw_id = records.hardware_id(s, hardware.simulated_fingerprint(GB300))
+    assert driver.unmet_runs(db, hw_id, Backend.simulated, "simulated", blocks) == []
+
+    st = run_sweep(dataclasses.replace(_opts(store_db.open_db(str(tmp_path / "blocks.sqlite")), sp_of(["moe.block"]),
+                                             workers=1),
+                                       phased=True))
+    assert st.added_for_blocks == [] and st.problems_total == 2
+
+
 def _winner_moves_tried(db, moves) -> tuple[int, int]:
     """(untried, tried): how many valid configs ``moves(family, problem, params)`` makes of the final kda.o_proj
     winners in ``db``, by whether the sweep measured them."""
@@ -709,7 +738,7 @@ def test_whole_knobs_are_tried_at_every_value_on_each_winner(tmp_path):
                             "search": {"budget": 4, "samples": 5, "remeasure_top": 2, "polish": 2,
                                        "whole": ["shared_sms"]}})
     st = run_sweep(_opts(store_db.open_db(str(tmp_path / "mixed.sqlite")), mixed, workers=1, phased=True))
-    assert st.problems_done == st.problems_total == 2 and not st.no_winner
+    assert st.problems_done == st.problems_total == 5 and not st.no_winner  # + the 3 dense ops the block runs
 
     db = store_db.open_db(str(tmp_path / "typo.sqlite"))
     with pytest.raises(ConfigError, match=r"\[search\] whole names shared_smz, which no kernel family"):

@@ -157,7 +157,9 @@ def sweep(
                "polish_untimed": stats.polish_untimed,
                "workers_replaced": stats.workers_replaced, "database_retries": len(stats.db_retries),
                "workers_retired": stats.workers_retired,
-               "no_winner": stats.no_winner, "refused_stored_trials": stats.refused, "skipped_ops": stats.skipped_ops, "seconds": round(stats.seconds, 1)}
+               "added_for_blocks": stats.added_for_blocks, "no_winner": stats.no_winner,
+               "refused_stored_trials": stats.refused, "skipped_ops": stats.skipped_ops,
+               "seconds": round(stats.seconds, 1)}
     if json:
         print_json(summary)
         return
@@ -174,6 +176,9 @@ def sweep(
                       "them; `k3tune db redo DB PATTERN` has the next sweep decide them again")
     for r in stats.refused[:10]:
         console.print(f"[yellow]refused stored trial outside the declared space:[/] {escape(str(r))}")
+    if stats.added_for_blocks:
+        console.print(f"also tuned: {len(stats.added_for_blocks)} dense problems the spec does not list, which its MoE "
+                      f"blocks run (first: {escape(stats.added_for_blocks[0])})", highlight=False)
     for op, why in stats.skipped_ops.items():
         console.print(f"[yellow]skipped[/] {escape(op)}: {escape(str(why))}")
     for why in stats.workers_retired:

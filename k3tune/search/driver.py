@@ -10,9 +10,10 @@ nearest neighbours that it has not tried, without TPE, then remeasure and decide
 
 An op measured with other ops' tuned kernels inside it (``OpDef.runs``: on a GPU the MoE block runs the dense
 projections the runtime selector picks) is swept after them, in a second phase, and its workers' selector reads
-this sweep's database (``K3TUNE_SERVE_DB``): a block is timed with the dense kernels it will be served with. A
-block whose dense lookups have no current winner in the database is refused before anything is measured, never
-timed on the selector's heuristic defaults.
+this sweep's database (``K3TUNE_SERVE_DB``): a block is timed with the dense kernels it will be served with. The
+first phase also tunes the dense problems the blocks' lookups ask for that the spec does not list. A blocks-only
+spec's block whose dense lookups have no current winner in the database is refused before anything is measured,
+never timed on the selector's heuristic defaults.
 """
 
 from __future__ import annotations
@@ -86,6 +87,7 @@ class SweepStats:
     skipped_ops: dict[str, str] = field(default_factory=dict)
     best_speedup: float | None = None  # best winner-vs-default ratio so far
     db_retries: list[str] = field(default_factory=list)  # transactions run again after the database server went away
+    added_for_blocks: list[str] = field(default_factory=list)  # dense problems tuned because the spec's blocks run them
     last: str = ""
     seconds: float = 0.0
     workers_ready_s: float | None = None  # from the sweep's start until every worker first reported ready
@@ -186,19 +188,26 @@ def warm_hardware(s: Session, db_name: str, name: str, fp: Fingerprint, hw_id: i
     return ids
 
 
-def unmet_runs(db: Database, hw_id: int, label: Backend, backend: str, problems: list[plans.Problem],
-               hardware: str | None = None) -> list[str]:
-    """For the problems of ops that run other ops' tuned kernels (``OpDef.runs``), each lookup of those kernels
-    that has no current winner in ``db`` for this hardware (``hw_id``; its class key ``hardware``) and backend, as
-    'block problem -> dense problem'. The lookups are mapped as the workers' ``Selector.load()`` maps them (the
-    default spec's token buckets, the default model's shapes): the block at M tokens asks for each dense op at batch
-    M, no draft."""
+def run_lookups(problems: list[plans.Problem]) -> dict[plans.Problem, list[plans.Problem]]:
+    """For the problems of ops that run other ops' tuned kernels (``OpDef.runs``): each dense problem their lookups
+    ask for, and the problems that ask for it. The lookups are mapped as the workers' ``Selector.load()`` maps them
+    (the default spec's token buckets, the default model's shapes): the block at M tokens asks for each dense op at
+    batch M, no draft."""
     model, spec = models.load(), specs.load()
     need: dict[plans.Problem, list[plans.Problem]] = {}
     for p in problems:
         for op in plans.OPS[p.op].runs:
             dep = plans.Deployment(p["tp"], p["M"], 1, 0, spec.context[0])
             need.setdefault(plans.problem_for(plans.OPS[op], model, dep, spec), []).append(p)
+    return need
+
+
+def unmet_runs(db: Database, hw_id: int, label: Backend, backend: str, problems: list[plans.Problem],
+               hardware: str | None = None) -> list[str]:
+    """For the problems of ops that run other ops' tuned kernels (``OpDef.runs``), each lookup of those kernels
+    (``run_lookups``) that has no current winner in ``db`` for this hardware (``hw_id``; its class key ``hardware``)
+    and backend, as 'block problem -> dense problem'."""
+    need = run_lookups(problems)
     digests = {op: op_digest(op, backend, hardware) for op in {q.op for q in need}}
     with db.session() as s:
         won = {key for key, op, digest in s.execute(
@@ -260,7 +269,16 @@ def run_sweep(opt: SweepOptions) -> SweepStats:
         ops = {p.op for p in plan.problems if families_for(p, opt.backend)}
         later = frozenset(op for op in ops if plans.OPS[op].runs)
         if later and ops - later:  # the ops they run first, then them, against what the first phase stored
+            # a spec that tunes dense ops beside the blocks tunes every dense problem the blocks' lookups ask for
+            # (the smoke spec lacked three of the block's five ops: its GPU sweep was refused after its first phase);
+            # a blocks-only spec is run against a database that holds them, or refused before anything is measured
+            added = sorted(q for q in set(run_lookups([p for p in plan.problems if p.op in later])) - set(plan.problems)
+                           if families_for(q, opt.backend))
+            if added:
+                plan = dataclasses.replace(plan, problems=sorted([*plan.problems, *added]))
+                ops |= {q.op for q in added}
             first = _run_phase(dataclasses.replace(opt, only_ops=frozenset(ops - later)), plan, t_start)
+            first.added_for_blocks = [q.key for q in added]
             progress = opt.progress and (lambda st: opt.progress(_merged(first, st)))
             second = _run_phase(dataclasses.replace(opt, only_ops=later, progress=progress), plan, time.monotonic())
             return _merged(first, second)
