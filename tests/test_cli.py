@@ -81,6 +81,8 @@ def test_plan_json(capsys):
     assert main(["plan", "--spec", "smoke", "--json"]) == 0
     p = json.loads(capsys.readouterr().out)
     assert p["deployments"] == 8 and sum(len(v) for v in p["problems"].values()) == 48
+    # a GPU sweep also tunes the 24 dense problems the smoke spec's MoE blocks run and it does not list (s66)
+    assert p["estimate"]["simulated"]["problems"] == 48 and p["estimate"]["gpu"]["problems"] == 72
 
 
 def test_plan_text_agrees_with_its_json(capsys, monkeypatch):

@@ -10,6 +10,7 @@ from rich.table import Table
 from k3tune.cli.common import ConfigOption, JsonOption, SpecOption, console, print_json
 from k3tune.kernels import count_configs, families_for
 from k3tune.plan import model as models, problems as plans, spec as specs
+from k3tune.search.phases import added_for_blocks
 
 # rough cost of one trial, for the estimate: simulated trials are bookkeeping; GPU trials compile, check and
 # replay a graph of many launches
@@ -17,10 +18,12 @@ SECONDS_PER_TRIAL = {"simulated": 0.004, "gpu": 0.35}
 
 
 def estimate(plan: plans.Plan, backend: str) -> dict:
+    """On the GPU backend (phased: the blocks run the dense kernels the sweep tunes first) with the dense problems
+    the blocks run that the spec does not list."""
     s = plan.spec.search
     trials = 0
     tunable = 0
-    for p in plan.problems:
+    for p in [*plan.problems, *(added_for_blocks(plan, backend) if backend == "gpu" else [])]:
         fams = families_for(p, backend)
         if not fams:
             continue

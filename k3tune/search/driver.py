@@ -31,7 +31,7 @@ from sqlalchemy.orm import Session
 from k3tune.errors import ConfigError, HardwareError
 from k3tune.kernels import FAMILIES, LANDED_ON, STAGED, check_backend, families_for, op_digest
 from k3tune.kernels.gemm_smallm import current_arch
-from k3tune.plan import hardware, model as models, problems as plans, spec as specs
+from k3tune.plan import hardware, problems as plans
 from k3tune.plan.hardware import Fingerprint, HardwareSpec
 from k3tune.plan.model import ModelConfig
 from k3tune.plan.spec import SweepSpec
@@ -39,6 +39,7 @@ from k3tune.search.compile_farm import CompileFarm, default_procs
 from k3tune.search.method import method_digest
 from k3tune.search.outcome import Task
 from k3tune.search import polish
+from k3tune.search.phases import added_for_blocks, run_lookups
 from k3tune.search.strategy import Candidate, ProblemSearch
 from k3tune.search.workers import WorkerPool
 from k3tune.store import records
@@ -188,20 +189,6 @@ def warm_hardware(s: Session, db_name: str, name: str, fp: Fingerprint, hw_id: i
     return ids
 
 
-def run_lookups(problems: list[plans.Problem]) -> dict[plans.Problem, list[plans.Problem]]:
-    """For the problems of ops that run other ops' tuned kernels (``OpDef.runs``): each dense problem their lookups
-    ask for, and the problems that ask for it. The lookups are mapped as the workers' ``Selector.load()`` maps them
-    (the default spec's token buckets, the default model's shapes): the block at M tokens asks for each dense op at
-    batch M, no draft."""
-    model, spec = models.load(), specs.load()
-    need: dict[plans.Problem, list[plans.Problem]] = {}
-    for p in problems:
-        for op in plans.OPS[p.op].runs:
-            dep = plans.Deployment(p["tp"], p["M"], 1, 0, spec.context[0])
-            need.setdefault(plans.problem_for(plans.OPS[op], model, dep, spec), []).append(p)
-    return need
-
-
 def unmet_runs(db: Database, hw_id: int, label: Backend, backend: str, problems: list[plans.Problem],
                hardware: str | None = None) -> list[str]:
     """For the problems of ops that run other ops' tuned kernels (``OpDef.runs``), each lookup of those kernels
@@ -269,11 +256,7 @@ def run_sweep(opt: SweepOptions) -> SweepStats:
         ops = {p.op for p in plan.problems if families_for(p, opt.backend)}
         later = frozenset(op for op in ops if plans.OPS[op].runs)
         if later and ops - later:  # the ops they run first, then them, against what the first phase stored
-            # a spec that tunes dense ops beside the blocks tunes every dense problem the blocks' lookups ask for
-            # (the smoke spec lacked three of the block's five ops: its GPU sweep was refused after its first phase);
-            # a blocks-only spec is run against a database that holds them, or refused before anything is measured
-            added = sorted(q for q in set(run_lookups([p for p in plan.problems if p.op in later])) - set(plan.problems)
-                           if families_for(q, opt.backend))
+            added = added_for_blocks(plan, opt.backend)
             if added:
                 plan = dataclasses.replace(plan, problems=sorted([*plan.problems, *added]))
                 ops |= {q.op for q in added}
