@@ -17,6 +17,9 @@ case "$G" in *H200*) ;; *) echo "land_h200: not an H200"; exit 0 ;; esac
 t0=$SECONDS
 if [ -n "${NEW_XZ:-}" ]; then xz -dc "$NEW_XZ" > $OUT/new.sqlite || exit 1
 else
+  for f in "${START_DB:-bench/s63_split.sqlite.xz}" bench/s63_new_h200.sqlite.xz; do
+    [ -f "$f" ] || { echo "land_h200: $f is missing (parked?)"; exit 1; }
+  done
   START_DB=${START_DB:-bench/s63_split.sqlite.xz} RESUME=1 SWEEP_S="${SWEEP_S:-130 130 130}" \
     POINTS="${POINTS:-mxfp4:8:uniform mxfp4:16:zipf:1.2 mxfp4:8:zipf:1.2}" bash bench/s63_r4.sh
 fi
