@@ -414,6 +414,23 @@ def test_lookup_reads_what_the_sweep_wrote_by_default(tmp_path, monkeypatch, cap
     assert look["db"] == "k3tune.sqlite" and not look["warnings"]
     assert {o["op"]: o for o in look["ops"]}["kda.qkvg_proj"]["source"] == "simulated"
 
+    # that file holds no H200 winners: `lookup --hardware h200` served heuristic defaults from it (s66), not the
+    # shipped H200 table; it now passes it over, and says so; named with --db, it is still used
+    argv = ["lookup", "--tp", "16", "--batch", "8", "--hardware", "h200", "--json"]
+    assert main(argv) == 0
+    look = json.loads(capsys.readouterr().out)
+    assert look["db"] == "shipped" and look["warnings"][0].startswith("./k3tune.sqlite holds no measured winners of "
+                                                                      "NVIDIA H200: not used")
+    assert {o["op"]: o for o in look["ops"]}["kda.qkvg_proj"]["source"] == "measured"
+    assert main([*argv, "--db", "k3tune.sqlite"]) == 0
+    look = json.loads(capsys.readouterr().out)
+    assert look["db"] == "k3tune.sqlite" and {o["op"]: o for o in look["ops"]}["kda.qkvg_proj"]["source"] != "measured"
+    from k3tune.shipped import tuning_db_dir
+    shutil.copy(tuning_db_dir() / "h200.sqlite", tmp_path / "k3tune.sqlite")  # a local file of H200 winners is used
+    assert main(argv) == 0
+    look = json.loads(capsys.readouterr().out)
+    assert look["db"] == "k3tune.sqlite" and not look["warnings"]
+
 
 def test_lookup_refuses_a_named_file_that_is_no_tuning_database(tmp_path, monkeypatch, capsys):
     """`k3tune lookup --db notes.txt` (a wrong path that exists) served heuristic defaults, exit 0, and with no GPU it

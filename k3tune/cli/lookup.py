@@ -12,11 +12,30 @@ from rich.table import Table
 
 from k3tune import settings
 from k3tune.cli.common import ConfigOption, JsonOption, SpecOption, console, print_json, require_db
-from k3tune.plan import model as models, spec as specs
+from k3tune.plan import hardware as hw, model as models, spec as specs
 from k3tune.runtime import Selector
+from k3tune.runtime.selector import measured_fingerprint
 from k3tune.store.db import open_for_serving, shown_url
 
 LOCAL_DB = Path("k3tune.sqlite")  # relative: the working directory's, as `k3tune sweep` writes it
+
+
+def _local_db(simulate: str | None, hardware: str | None) -> tuple[str | None, str | None]:
+    """./k3tune.sqlite where it holds winners of the hardware served, else None (the shipped table) and why: a
+    simulated sweep's file left in the working directory had an H200's lookups served heuristic defaults instead of
+    the shipped H200 table. Simulated winners are in no shipped table: for --simulate the file is always used."""
+    if simulate:
+        return str(LOCAL_DB), None
+    if hardware:
+        name = hw.spec(hardware).name
+    else:
+        found = hw.detect()
+        if not found:  # no GPU and no --hardware: nothing is served from a shipped table either
+            return str(LOCAL_DB), None
+        name = found[0].name
+    if measured_fingerprint(str(LOCAL_DB), name)[0] is not None:
+        return str(LOCAL_DB), None
+    return None, f"./{LOCAL_DB} holds no measured winners of {name}: not used (--db {LOCAL_DB} uses it)"
 
 
 def lookup(
@@ -26,7 +45,8 @@ def lookup(
     dcp: Annotated[int, typer.Option(help="Decode context parallel size (divides tp).")] = 1,
     context: Annotated[int | None, typer.Option(help="Context length for attention (default: the largest bucket).")] = None,
     db: Annotated[str | None, typer.Option("--db", help="Tuning database (default: $K3TUNE_DB, else ./k3tune.sqlite where "
-                                                         "it exists, else the shipped one for the detected GPU).")] = None,
+                                                         "it holds the served hardware's winners, else the shipped one "
+                                                         "for the GPU).")] = None,
     simulate: Annotated[str | None, typer.Option("--simulate", help="Serve the simulated winners of this hardware (e.g. gb300).")] = None,
     hardware: Annotated[str | None, typer.Option("--hardware", help="Serve the measured winners of this GPU (e.g. h200) from --db, "
                                                  "else from the database shipped for it: to inspect one on another machine.")] = None,
@@ -46,7 +66,9 @@ def lookup(
     if db is not None:  # must not serve heuristic defaults behind a warning; an older schema is served (with a note)
         handle, _ = open_for_serving(require_db(db))
         handle.dispose()
-    db = db or (str(LOCAL_DB) if LOCAL_DB.is_file() else None)  # what `k3tune sweep` wrote
+    skipped = None
+    if db is None and LOCAL_DB.is_file():  # what `k3tune sweep` wrote, where it holds the hardware's winners
+        db, skipped = _local_db(simulate, hardware)
     # the selector also logs its warnings (for a server's log): here they are printed below the table, once
     quiet = logging.NullHandler()
     log = logging.getLogger("k3tune.runtime")
@@ -55,6 +77,8 @@ def lookup(
         sel = Selector.load(db, simulated=simulate, measured_on=hardware, spec=sp,
                             model=models.load(config or sp.model_config_path()))
         choices = sel.layer(tp, batch, draft, dcp, context)
+        if skipped:
+            sel.warnings.insert(0, skipped)
     finally:
         log.removeHandler(quiet)
     bucket = sel.context_bucket(context)  # the one MLA's choices are served from

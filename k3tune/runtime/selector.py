@@ -75,7 +75,7 @@ def _shipped_db(key: str) -> Path | None:
     return path if path.exists() else None
 
 
-def _measured_fingerprint(db, name: str) -> tuple[Fingerprint | None, str]:
+def measured_fingerprint(db, name: str) -> tuple[Fingerprint | None, str]:
     """The fingerprint of the first measured (not simulated) hardware in db whose name contains ``name``; where
     there is none, why."""
     try:
@@ -148,7 +148,7 @@ class Selector:
                 hw = hardware.spec(measured_on)
                 if db is None:  # the shipped one for that GPU
                     db = settings.load().serve_db or _shipped_db(hw.key)
-                found, unserved = _measured_fingerprint(db, hw.name) if db is not None else \
+                found, unserved = measured_fingerprint(db, hw.name) if db is not None else \
                     (None, f"no tuning database for {hw.name}")
                 fingerprint = found or fingerprint
             if not routing and (routing := settings.load().routing):
