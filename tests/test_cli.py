@@ -83,6 +83,11 @@ def test_plan_json(capsys):
     assert p["deployments"] == 8 and sum(len(v) for v in p["problems"].values()) == 48
     # a GPU sweep also tunes the 24 dense problems the smoke spec's MoE blocks run and it does not list (s66)
     assert p["estimate"]["simulated"]["problems"] == 48 and p["estimate"]["gpu"]["problems"] == 72
+    # the default spec's blocks run up to 512 tokens (drafts): mapping their dense lookups as deployments of batch M
+    # made `k3tune plan` a "batch 96 out of range" error (s66, before any commit left the session)
+    assert main(["plan", "--json"]) == 0
+    p = json.loads(capsys.readouterr().out)
+    assert p["estimate"]["gpu"]["problems"] == p["estimate"]["simulated"]["problems"] == 1124
 
 
 def test_plan_text_agrees_with_its_json(capsys, monkeypatch):

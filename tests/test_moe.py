@@ -133,6 +133,16 @@ def test_tuned_path_runs_the_selectors_kernels_and_matches(tp, fmt):
     assert blk.ran["experts"].startswith("MXFP4" if fmt == "mxfp4" else "torch._grouped_mm")
 
 
+def test_the_measured_block_builds_above_64_tokens():
+    """A measured block at M tokens is built as batch M, no draft (``kernels/moe_block.py``): at M > 64 (a spec with
+    drafts) the selector refused the executor's dense lookups, and every such block trial failed on a GPU."""
+    w = random_weights(SMALL, 4, seed=3)
+    blk = MoEBlock.build(w, "tuned", batch=96, selector=Selector.load(None))
+    assert blk.tokens == 96
+    _check(blk, w, 96)
+    assert all(blk.ran[op].startswith("gemm.cublas") for op in ("moe.router_latent", "moe.shared_w2"))
+
+
 def test_a_dense_kernel_that_cannot_run_here_falls_back_to_cublas_and_the_block_says_so():
     """The block's four dense GEMMs are served as DenseProjection serves them: the shipped H200 winners are CuTe
     kernels, which cannot run on CPU tensors, so each falls back to cuBLAS, named in ``ran``, and the block matches."""

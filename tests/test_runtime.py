@@ -172,7 +172,9 @@ def test_a_stale_row_beside_a_current_winner_is_superseded_not_warned_of(smoke_d
 
 @pytest.mark.parametrize("args, msg", [
     (dict(op="kda.o_proj", tp=8, batch=0), "batch 0"),
-    (dict(op="kda.o_proj", tp=8, batch=65), "batch 65"),
+    (dict(op="kda.decode", tp=8, batch=65), "batch 65"),
+    (dict(op="kda.o_proj", tp=8, batch=513), "batch 513"),  # a dense op: up to 512 tokens (see below)
+    (dict(op="kda.o_proj", tp=8, batch=65, draft=7), "batch 65"),
     (dict(op="kda.o_proj", tp=8, batch=4, dcp=16), "dcp 16"),
     (dict(op="kda.o_proj", tp=8, batch=4, draft=9), "draft length 9"),
     (dict(op="nope", tp=8, batch=4), "unknown op"),
@@ -184,6 +186,22 @@ def test_bad_lookups_raise_clear_errors(smoke_db, args, msg):
     sel = Selector.load(smoke_db, simulated="gb300")
     with pytest.raises(ConfigError, match=msg):
         sel.lookup(**args)
+
+
+def test_a_dense_op_is_looked_up_by_tokens_up_to_512(smoke_db):
+    """A measured MoE block at M tokens builds the runtime executor with batch M, no draft, and the executor asks the
+    selector for its dense kernels at that batch: M > 64 (a spec with drafts: up to 512 tokens) was refused, so every
+    such block trial failed on a GPU. A dense op is keyed by tokens per step alone: batch M, no draft, is served what
+    batch M / (1 + d) with draft d is; an attention op still takes batches up to 64."""
+    sel = Selector.load(smoke_db, simulated="gb300")
+    for op in ("kda.o_proj", "moe.shared_w13", "moe.latent_up"):
+        for tokens, batch, draft in ((96, 48, 1), (512, 64, 7), (128, 64, 1), (16, 8, 1)):
+            a, b = sel.lookup(op, 16, tokens), sel.lookup(op, 16, batch, draft)
+            assert (a.problem, a.family, a.params) == (b.problem, b.family, b.params), (op, tokens)
+    c = sel.lookup("moe.router_latent", 4, 96)  # outside the spec's tp: built on the lookup, as any deployment
+    assert c.problem == "moe.router_latent[M=96,N=1120,K=7168]", c.problem
+    with pytest.raises(ConfigError, match="tp 5 does not divide"):
+        sel.lookup("kda.o_proj", 5, 96)
 
 
 def test_a_spec_given_without_a_model_serves_the_spec_s_model():

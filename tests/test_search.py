@@ -635,6 +635,13 @@ def test_dense_problems_a_spec_lacks_but_its_blocks_run_are_tuned_in_the_first_p
                                        phased=True))
     assert st.added_for_blocks == [] and st.problems_total == 2
 
+    # a block at up to 512 tokens (batch 64, draft 7) asks for its dense kernels at that many tokens
+    drafts = spec.from_dict({"matrix": {"tp": [8], "batch": [64], "draft": [7], "ops": ["moe.block"]}})
+    blocks = driver.plans.build(drafts, model.load()).problems
+    assert sorted(q.key for q in driver.run_lookups(blocks)) == [
+        "moe.latent_up[M=512,N=7168,K=448]", "moe.router_latent[M=512,N=560,K=7168]",
+        "moe.shared_w13[M=512,N=1536,K=7168]", "moe.shared_w2[M=512,N=7168,K=768]"]
+
 
 def _winner_moves_tried(db, moves) -> tuple[int, int]:
     """(untried, tried): how many valid configs ``moves(family, problem, params)`` makes of the final kda.o_proj

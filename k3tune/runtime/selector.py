@@ -330,9 +330,13 @@ class Selector:
         return self._ctx[min(i, len(self._ctx) - 1)]
 
     def lookup(self, op: str, tp: int, batch: int, draft: int = 0, dcp: int = 1, context: int | None = None) -> Choice:
-        """The kernel for one op of one deployment. Bad arguments raise ConfigError; anything else is served."""
+        """The kernel for one op of one deployment. Bad arguments raise ConfigError; anything else is served.
+        A dense op is keyed by tokens per step alone, so it takes any batch x (1 + draft) up to 512 tokens: a
+        measured MoE block at M tokens asks for its dense kernels as batch M (M > 64 was refused, failing every
+        block trial of a spec with drafts)."""
         ent = self._ops.get(op)
-        if ent is not None and 0 < batch <= MAX_BATCH and 0 <= draft <= MAX_DRAFT and 0 < dcp <= tp and not tp % dcp:
+        if (ent is not None and 0 < batch and 0 <= draft <= MAX_DRAFT and 0 < dcp <= tp and not tp % dcp
+                and (batch <= MAX_BATCH or (ent[0] == _GEMM and batch * (1 + draft) < len(self._tb)))):
             kind, table = ent
             if kind == _GEMM:
                 c = table.get((tp, self._tb[batch * (1 + draft)]))
@@ -364,7 +368,11 @@ class Selector:
         """A deployment outside the spec's tp/dcp values or above its buckets: validated, then built and cached."""
         o = plans.op(op)
         dep = plans.Deployment(tp, batch, dcp, draft, self.context_bucket(context))
-        p = plans.problem_for(o, self.model, dep, self.spec)
+        if batch > MAX_BATCH:  # a dense op's tokens (checked by ``lookup``): its tp and dcp checked as a deployment's
+            specs.validate_deployment_values(tp, 1, dcp, draft)
+            p = plans.Problem(o.name, o.kind, o.dims(self.model, dep, self.spec))
+        else:
+            p = plans.problem_for(o, self.model, dep, self.spec)
         c = self._choose(p)
         self._tables[op][self._key(op, tp, batch, draft, dcp, dep.context if self._kind[op] == _MLA else 0)] = c
         if c.tuned_problem is None and self._winners.get(op) and op not in self._warned:

@@ -12,13 +12,14 @@ def run_lookups(problems: list[plans.Problem]) -> dict[plans.Problem, list[plans
     """For the problems of ops that run other ops' tuned kernels (``OpDef.runs``): each dense problem their lookups
     ask for, and the problems that ask for it. The lookups are mapped as the workers' ``Selector.load()`` maps them
     (the default spec's token buckets, the default model's shapes): the block at M tokens asks for each dense op at
-    batch M, no draft."""
+    M tokens (as batch M, no draft: M is up to 512, past any batch a deployment has, so the dense problem is made
+    from its dims, not through ``problem_for``'s deployment check)."""
     model, spec = models.load(), specs.load()
     need: dict[plans.Problem, list[plans.Problem]] = {}
     for p in problems:
-        for op in plans.OPS[p.op].runs:
-            dep = plans.Deployment(p["tp"], p["M"], 1, 0, spec.context[0])
-            need.setdefault(plans.problem_for(plans.OPS[op], model, dep, spec), []).append(p)
+        for name in plans.OPS[p.op].runs:
+            o, dep = plans.OPS[name], plans.Deployment(p["tp"], p["M"], 1, 0, spec.context[0])
+            need.setdefault(plans.Problem(o.name, o.kind, o.dims(model, dep, spec)), []).append(p)
     return need
 
 
