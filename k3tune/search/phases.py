@@ -1,6 +1,7 @@
-"""Which problems a sweep's phases tune: ops that run other ops' tuned kernels (``OpDef.runs``: on a GPU the MoE block
-runs the dense projections the runtime selector picks) are swept after those, and the dense problems their lookups ask
-for join the first phase where the spec lacks them. Light on imports: `k3tune plan` uses it for its estimate."""
+"""The dense problems behind a phased sweep's blocks. An op that runs other ops' tuned kernels (``OpDef.runs``: on a
+GPU the MoE block runs the dense projections the runtime selector picks) is swept after them (``driver.run_sweep``);
+here: which dense problems its lookups ask for, and which of those join the first phase because the spec lacks them.
+Light on imports: `k3tune plan` uses it for its estimate."""
 
 from __future__ import annotations
 
