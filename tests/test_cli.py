@@ -424,13 +424,17 @@ def test_lookup_reads_what_the_sweep_wrote_by_default(tmp_path, monkeypatch, cap
     argv = ["lookup", "--tp", "16", "--batch", "8", "--hardware", "h200", "--json"]
     assert main(argv) == 0
     look = json.loads(capsys.readouterr().out)
-    assert look["db"] == "shipped" and look["warnings"][0].startswith("./k3tune.sqlite holds no measured winners of "
-                                                                      "NVIDIA H200: not used")
+    assert look["db"] == "shipped" and look["warnings"][0].startswith("./k3tune.sqlite not used (")
+    assert "no measured winners of NVIDIA H200" in look["warnings"][0]
     assert {o["op"]: o for o in look["ops"]}["kda.qkvg_proj"]["source"] == "measured"
     assert main([*argv, "--db", "k3tune.sqlite"]) == 0
     look = json.loads(capsys.readouterr().out)
     assert look["db"] == "k3tune.sqlite" and {o["op"]: o for o in look["ops"]}["kda.qkvg_proj"]["source"] != "measured"
     from k3tune.shipped import tuning_db_dir
+    (tmp_path / "k3tune.sqlite").write_text("not a database\n")  # one it cannot read: passed over, and why
+    assert main(argv) == 0
+    look = json.loads(capsys.readouterr().out)
+    assert look["db"] == "shipped" and "is not a SQLite database" in look["warnings"][0], look["warnings"]
     shutil.copy(tuning_db_dir() / "h200.sqlite", tmp_path / "k3tune.sqlite")  # a local file of H200 winners is used
     assert main(argv) == 0
     look = json.loads(capsys.readouterr().out)

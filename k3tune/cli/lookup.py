@@ -33,9 +33,10 @@ def _local_db(simulate: str | None, hardware: str | None) -> tuple[str | None, s
         if not found:  # no GPU and no --hardware: nothing is served from a shipped table either
             return str(LOCAL_DB), None
         name = found[0].name
-    if measured_fingerprint(str(LOCAL_DB), name)[0] is not None:
+    found, why = measured_fingerprint(str(LOCAL_DB), name)
+    if found is not None:
         return str(LOCAL_DB), None
-    return None, f"./{LOCAL_DB} holds no measured winners of {name}: not used (--db {LOCAL_DB} uses it)"
+    return None, f"./{LOCAL_DB} not used ({why}); --db {LOCAL_DB} uses it"
 
 
 def lookup(
