@@ -157,6 +157,12 @@ def deployments(spec: SweepSpec) -> Iterator[Deployment]:
             yield Deployment(tp, batch, dcp, draft, ctx)
 
 
+def problem_at_tokens(o: OpDef, model: ModelConfig, tp: int, tokens: int, spec: SweepSpec, context: int) -> Problem:
+    """A dense op's problem at ``tokens`` per step, made from its dims (a deployment of batch ``tokens``, no draft):
+    what a MoE block of that many tokens asks for, up to 512, past any batch ``problem_for`` admits."""
+    return Problem(o.name, o.kind, o.dims(model, Deployment(tp, tokens, 1, 0, context), spec))
+
+
 def problem_for(o: OpDef, model: ModelConfig, dep: Deployment, spec: SweepSpec) -> Problem:
     validate_deployment_values(dep.tp, dep.batch, dep.dcp, dep.draft)
     for other in o.runs:  # the block runs these at its deployment: a tp they cannot shard (router + latent 4480 at

@@ -370,7 +370,7 @@ class Selector:
         dep = plans.Deployment(tp, batch, dcp, draft, self.context_bucket(context))
         if batch > MAX_BATCH:  # a dense op's tokens (checked by ``lookup``): its tp and dcp checked as a deployment's
             specs.validate_deployment_values(tp, 1, dcp, draft)
-            p = plans.Problem(o.name, o.kind, o.dims(self.model, dep, self.spec))
+            p = plans.problem_at_tokens(o, self.model, tp, batch * (1 + draft), self.spec, dep.context)
         else:
             p = plans.problem_for(o, self.model, dep, self.spec)
         c = self._choose(p)

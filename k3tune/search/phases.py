@@ -13,14 +13,13 @@ def run_lookups(problems: list[plans.Problem]) -> dict[plans.Problem, list[plans
     """For the problems of ops that run other ops' tuned kernels (``OpDef.runs``): each dense problem their lookups
     ask for, and the problems that ask for it. The lookups are mapped as the workers' ``Selector.load()`` maps them
     (the default spec's token buckets, the default model's shapes): the block at M tokens asks for each dense op at
-    M tokens (as batch M, no draft: M is up to 512, past any batch a deployment has, so the dense problem is made
-    from its dims, not through ``problem_for``'s deployment check)."""
+    M tokens (``problems.problem_at_tokens``: M is up to 512, past any batch a deployment has)."""
     model, spec = models.load(), specs.load()
     need: dict[plans.Problem, list[plans.Problem]] = {}
     for p in problems:
         for name in plans.OPS[p.op].runs:
-            o, dep = plans.OPS[name], plans.Deployment(p["tp"], p["M"], 1, 0, spec.context[0])
-            need.setdefault(plans.Problem(o.name, o.kind, o.dims(model, dep, spec)), []).append(p)
+            q = plans.problem_at_tokens(plans.OPS[name], model, p["tp"], p["M"], spec, spec.context[0])
+            need.setdefault(q, []).append(p)
     return need
 
 
