@@ -49,8 +49,9 @@ STAGED: dict[str, KernelFamily] = {f.name: f for f in [WgmmaCkTriggerGemm()]}
 # the hardware named here (by its measured class key, ``Fingerprint.class_key``), staged elsewhere, so that one
 # table's re-sweep ships without making the others stale. A family moves to FAMILIES when every shipped table has it.
 LANDED_ON: dict[str, frozenset[str]] = {
-    # session 57-58: the H100's dense table and its 56 blocks re-swept with it (bench/results s57, s58, s59)
-    "gemm.wgmma_cktrig": frozenset({"NVIDIA H100 80GB HBM3|cc9.0|132sm|79GiB"}),
+    # the H100's dense table and its 56 blocks re-swept with it (sessions 57-59, shipped in 60); the H200's
+    # (sessions 63 and 67, shipped in 67)
+    "gemm.wgmma_cktrig": frozenset({"NVIDIA H100 80GB HBM3|cc9.0|132sm|79GiB", "NVIDIA H200|cc9.0|132sm|140GiB"}),
 }
 
 
