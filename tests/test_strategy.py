@@ -3,6 +3,7 @@ margin, optional features kept only beyond their twins' noise) and the simulated
 
 import json
 import os
+import zlib
 from pathlib import Path
 
 import pytest
@@ -221,6 +222,41 @@ def test_a_winner_lacking_a_knob_added_since_is_also_tried_as_it_ran():
     s = ProblemSearch(p, families_for(p, "simulated", GB300.arch), SETTINGS, seed=0, warm=[("moe.overlap", old)])
     seeded = [c.params for c in s.queue if c.family == "moe.overlap"]
     assert {**old, "tc13_ring": 0, "tc2_ring": 0} in seeded
+
+
+def test_the_problems_own_earlier_winner_is_remeasured_whatever_its_first_time():
+    """H200 s67-r2: a re-sweep timed a block's shipped knobs once at 127.1 us, 16% above every later time of them
+    (109.1-111.2); outside the remeasured top two, a 40-SM split at 114.1 won and served 4% slower. The problem's own
+    earlier winner now joins the finalists (round 1) whatever its first time, and wins on its remeasured number; a
+    neighbour's winner is not given that place."""
+    p = Problem("moe.block", "moe_block", (("tp", 8), ("M", 8), ("experts", 896), ("top_k", 16), ("latent", 3584),
+                                           ("inter", 384), ("shared_inter", 768), ("hidden", 7168),
+                                           ("format", "mxfp4"), ("routing", "zipf:1.2")))
+    fams = families_for(p, "simulated", GB300.arch)
+    fam = family("moe.overlap")
+    mine = {**fam.default_config(p).params(), "shared_sms": "all"}
+    other = Problem("moe.block", "moe_block", tuple((k, 16 if k == "M" else v) for k, v in p.dims))
+    settings = spec.SearchSettings(budget=12, patience=99, remeasure_top=2, samples=9, seed=0)
+
+    def timing(c):
+        if c.family == "moe.overlap" and c.params.get("shared_sms") == "all" and c.params == mine:
+            return 127.1 if c.round == 0 else 109.2  # the outlier first, then its true time
+        return 114.0 + zlib.crc32(c.key.encode()) % 100 / 50  # every other config 114-116 us
+
+    seen = []
+    s = ProblemSearch(p, fams, settings, seed=0, warm=[("moe.overlap", mine, p)])
+    assert s.incumbents == [("moe.overlap", params_key(mine))]
+    _drive(s, lambda c: seen.append(c) or timing(c))
+    assert any(c.round == 1 and c.params == mine for c in seen), "the incumbent was not remeasured"
+    assert (s.decision.family, s.decision.params) == ("moe.overlap", mine)
+
+    # the same config as a neighbouring problem's winner only: no finalist's place, and the outlier decides
+    seen.clear()
+    s = ProblemSearch(p, fams, settings, seed=0, warm=[("moe.overlap", mine, other)])
+    assert s.incumbents == []
+    _drive(s, lambda c: seen.append(c) or timing(c))
+    assert not any(c.round == 1 and c.params == mine for c in seen)
+    assert s.decision.params != mine
 
 
 def test_statistical_ties_break_deterministically_to_the_safer_family():

@@ -1,6 +1,6 @@
 """The search over one problem's space: optuna's TPE (seeded) over the families and their knobs, or every
-valid config when the space fits the budget; then the best few are measured again and the winner chosen
-with noise in mind.
+valid config when the space fits the budget; then the best few, the safe baseline and the problem's own earlier
+winner are measured again and the winner chosen with noise in mind.
 
 Every family's heuristic default is tried first (so the safe baseline is always measured), then configs
 that won on neighbouring problems in earlier runs (warm start; never from this run, so the worker count
@@ -76,36 +76,10 @@ def known_candidates(problem: Problem, families: list[KernelFamily], settings: S
     its seeds, the winners of neighbouring problems (adapted; given the problem each won on, also with the
     shape-dependent knobs it left at that problem's default moved to this one's), and the whole space when it
     fits the budget."""
-    fams = {f.name: f for f in families}
     seeds = [(f, f.default_config(problem)) for f in families]
     seeds += [(f, c) for f in families for c in f.seeds(problem)]
     for fam_name, params, *source in warm:
-        for f in families:  # a family extending the winner's with a knob: the winner with that knob set
-            for prm in f.adopt(fam_name, params, problem):
-                try:
-                    seeds.append((f, f.config_from_params(problem, prm)))
-                except CannotImplement:
-                    pass
-        if fam_name in fams:
-            f = fams[fam_name]
-            space, base = f.cached_space(problem), f.default_config(problem).params()
-            # a winner of an older kernel version may lack knobs added since (they take the default's
-            # value) or hold a value no longer declared (likewise): it is a suggestion, re-measured
-            adapted = {k: params[k] if params.get(k) in space[k] else base[k] for k in space}
-            tries = [adapted]
-            added = [k for k in space if k not in params]
-            if added:  # and as it ran: a knob is added with the older kernel's behaviour first in its space (0:
-                # off), and the default's value may not fit the rest (H200 s22: the MXFP4 default's 2-stage weight
-                # ring did not fit the shared memory of s21's TP16 Zipf b1 winner, so that winner was never
-                # re-measured and the re-sweep kept a config 3.8% slower)
-                tries.append({**adapted, **{k: space[k][0] for k in added}})
-            if source and source[0] is not None and source[0] != problem:
-                tries.append(_follow_defaults(f, source[0], adapted, base))
-            for prm in tries:
-                try:
-                    seeds.append((f, f.config_from_params(problem, prm)))
-                except CannotImplement:
-                    pass  # a neighbour's winner may not fit this problem
+        seeds += _warm_configs(problem, families, fam_name, params, source[0] if source else None)
     # listed only when the search will measure them all
     if count_configs(problem, families, limit=settings.budget) <= settings.budget:
         seeds += [(f, c) for f in families for c in f.configs(problem)]
@@ -116,6 +90,42 @@ def known_candidates(problem: Problem, families: list[KernelFamily], settings: S
             seen.add((cand.family, cand.key))
             queue.append(cand)
     return queue
+
+
+def _warm_configs(problem: Problem, families: list[KernelFamily], fam_name: str, params: dict,
+                  source: Problem | None) -> list[tuple[KernelFamily, object]]:
+    """The configs a winner (of ``fam_name``, on ``source``) suggests for ``problem``: adopted by the families that
+    extend its own, and its own family's config adapted to the declared space (and moved to this problem's
+    shape-dependent defaults where it kept its own problem's)."""
+    out = []
+    fams = {f.name: f for f in families}
+    for f in families:  # a family extending the winner's with a knob: the winner with that knob set
+        for prm in f.adopt(fam_name, params, problem):
+            try:
+                out.append((f, f.config_from_params(problem, prm)))
+            except CannotImplement:
+                pass
+    if fam_name in fams:
+        f = fams[fam_name]
+        space, base = f.cached_space(problem), f.default_config(problem).params()
+        # a winner of an older kernel version may lack knobs added since (they take the default's
+        # value) or hold a value no longer declared (likewise): it is a suggestion, re-measured
+        adapted = {k: params[k] if params.get(k) in space[k] else base[k] for k in space}
+        tries = [adapted]
+        added = [k for k in space if k not in params]
+        if added:  # and as it ran: a knob is added with the older kernel's behaviour first in its space (0:
+            # off), and the default's value may not fit the rest (H200 s22: the MXFP4 default's 2-stage weight
+            # ring did not fit the shared memory of s21's TP16 Zipf b1 winner, so that winner was never
+            # re-measured and the re-sweep kept a config 3.8% slower)
+            tries.append({**adapted, **{k: space[k][0] for k in added}})
+        if source is not None and source != problem:
+            tries.append(_follow_defaults(f, source, adapted, base))
+        for prm in tries:
+            try:
+                out.append((f, f.config_from_params(problem, prm)))
+            except CannotImplement:
+                pass  # a neighbour's winner may not fit this problem
+    return out
 
 
 def _follow_defaults(f, source: Problem, params: dict, base: dict) -> dict:
@@ -173,6 +183,12 @@ class ProblemSearch:
                 continue
             self._absorb(Candidate(t.family, t.params, t.params_key, t.round), t.status.value, t.median_us, t.spread_us)
         self.queue = known_candidates(self.problem, self.families, self.settings, self.warm)
+        # the problem's own earlier winners (what a re-sweep or a polish pass starts from): remeasured beside the
+        # finalists whatever their first time, so that one slow outlier cannot unseat them (H200 s67-r2: a block's
+        # shipped knobs timed once at 127.1 us, then 109.1-111.2 every time after; a 40-SM split at 114.1 won)
+        self.incumbents = [(f.name, params_key(c.params())) for fam_name, params, *source in self.warm
+                           if source and source[0] == self.problem
+                           for f, c in _warm_configs(self.problem, self.families, fam_name, params, None)]
 
     # ---- bookkeeping --------------------------------------------------------------------------
     @property
@@ -314,12 +330,17 @@ class ProblemSearch:
             if self.in_flight:
                 return None
             self.phase, self.ahead = "remeasure", None
-            # the top few, and always the safe baseline: the winner is chosen against it on remeasured numbers
+            # the top few, always the safe baseline (the winner is chosen against it on remeasured numbers) and the
+            # problem's own earlier winners (``incumbents``)
             finalists = self._ranked()
             safe = self.results.get((self.families[0].name,
                                      params_key(self.families[0].default_config(self.problem).params()), 0))
             if safe is not None and safe.status == "ok" and safe not in finalists:
                 finalists.append(safe)
+            for fam_name, key in self.incumbents:
+                mine = self.results.get((fam_name, key, 0))
+                if mine is not None and mine.status == "ok" and mine not in finalists:
+                    finalists.append(mine)
             self.queue = [Candidate(r.candidate.family, r.candidate.params, r.candidate.key, 1) for r in finalists]
             if finalists:  # the leader with its optional features off: does each pay beyond noise? And
                 # with its on/off features on: a feature TPE left off at the leader may pay there (ties keep it off)
