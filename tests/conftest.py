@@ -159,3 +159,24 @@ def any_db_url(request, tmp_path) -> str:
     if request.param == "sqlite":
         return str(tmp_path / "k3tune.sqlite")
     return request.getfixturevalue("pg_url")
+
+
+H100_CLASS = "NVIDIA H100 80GB HBM3|cc9.0|132sm|79GiB"
+
+
+@pytest.fixture
+def cktrig_landed_on_h100(monkeypatch):
+    """The registry as in sessions 60-66: gemm.wgmma_cktrig staged, landed on the H100 alone (kernels.LANDED_ON).
+    No family is landed on some hardware only since it moved to FAMILIES (session 67); the mechanism stays for the
+    next one. The registry's caches are cleared around, so nothing computed on it outlives the test."""
+    import k3tune.kernels as kernels
+
+    name = "gemm.wgmma_cktrig"
+    for f in (kernels.op_digest, kernels._candidates):
+        f.cache_clear()
+    monkeypatch.setitem(kernels.STAGED, name, kernels.FAMILIES[name])
+    monkeypatch.delitem(kernels.FAMILIES, name)
+    monkeypatch.setitem(kernels.LANDED_ON, name, frozenset({H100_CLASS}))
+    yield kernels
+    for f in (kernels.op_digest, kernels._candidates):
+        f.cache_clear()

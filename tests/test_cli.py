@@ -348,7 +348,7 @@ def test_warm_from_into_a_database_that_does_not_exist_is_refused_before_making_
 
 def test_shipped_h100_database_is_current():
     """The H100's own table, swept on an H100 from the H200's winners (`--warm-from H200`; sessions 48-49), then
-    re-swept with `gemm.wgmma_cktrig` (sessions 57-58, landed on the H100 only): current, covering its specs."""
+    re-swept with `gemm.wgmma_cktrig` (sessions 57-58): current, covering its specs."""
     from k3tune.shipped import configs_dir, tuning_db_dir
 
     db = str(tuning_db_dir() / "h100.sqlite")
@@ -397,16 +397,15 @@ def test_lookup_hardware_h100_serves_its_own_dense_table_and_blocks(monkeypatch,
     assert block["median_us"] != _shipped_block_median("h200", block["tuned_problem"])
 
 
-def test_lookup_serves_a_family_landed_on_each_shipped_gpu(monkeypatch, capsys, tmp_path):
-    """`gemm.wgmma_cktrig` is landed on the H100 (session 60) and the H200 (session 67) by LANDED_ON: each shipped
-    table, re-swept with it, serves its M = 16 picks as measured winners; a GPU not in LANDED_ON keys and is offered
-    it only as staged (tests/test_kernels.py)."""
+def test_lookup_serves_the_late_trigger_picks_of_each_shipped_gpu(monkeypatch, capsys, tmp_path):
+    """`gemm.wgmma_cktrig` was landed on the H100 (session 60), then the H200 (session 67), and moved to FAMILIES
+    once every shipped table had it: each shipped table, re-swept with it, serves its M = 16 picks as measured
+    winners (current: the family's move keyed the H100 and H200 tables as their landing had)."""
     for hw in ("h100", "h200"):
         ops = {o["op"]: o for o in _shipped_lookup(monkeypatch, capsys, tmp_path, hw, 8, 16)["ops"]}
         for op in ("mla.q_a", "kda.o_proj", "moe.shared_w13"):
             assert (ops[op]["family"], ops[op]["source"]) == ("gemm.wgmma_cktrig", "measured"), (hw, op, ops[op])
-    assert {"NVIDIA H100 80GB HBM3|cc9.0|132sm|79GiB", "NVIDIA H200|cc9.0|132sm|140GiB"} <= set(
-        kernels.LANDED_ON["gemm.wgmma_cktrig"])
+    assert "gemm.wgmma_cktrig" in kernels.FAMILIES and not kernels.LANDED_ON
 
 
 def test_lookup_reads_what_the_sweep_wrote_by_default(tmp_path, monkeypatch, capsys):

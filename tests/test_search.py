@@ -438,7 +438,7 @@ def test_a_neighbours_winner_is_also_tried_with_this_problems_token_tile():
 
 
 def test_a_family_extending_a_neighbours_winners_family_adopts_the_winner():
-    """Staged gemm.wgmma_cktrig extends gemm.wgmma_ck with a trigger point: a wgmma_ck winner nearby is measured in
+    """gemm.wgmma_cktrig extends gemm.wgmma_ck with a trigger point: a wgmma_ck winner nearby is measured in
     it at each of its seeded trigger points, and not at all when it ran without PDL (there is nothing to move)."""
     from k3tune.kernels.pdl_trigger import late_seeds
     from k3tune.search.strategy import known_candidates
@@ -691,9 +691,10 @@ def test_local_passes_try_the_winners_one_knob_neighbours(tmp_path):
     assert untried[1] == 0 < untried[0], untried
 
 
-def test_whole_may_name_a_knob_of_a_family_landed_on_some_hardware():
+def test_whole_may_name_a_knob_of_a_family_landed_on_some_hardware(cktrig_landed_on_h100):
     """The CLI checks ``[search] whole`` before the sweep's hardware is known: a knob of a family landed on some
-    hardware only (``late``: gemm.wgmma_cktrig, on the H100) is no misspelling; a knob no family declares still is."""
+    hardware only (``late``: gemm.wgmma_cktrig, on the H100 in sessions 60-66) is no misspelling; a knob no family
+    declares still is."""
     from k3tune.errors import ConfigError
     from k3tune.search.driver import check_whole_knobs
 

@@ -29,7 +29,7 @@ __all__ = ["FAMILIES", "LANDED_ON", "STAGED", "KernelConfig", "KernelFamily", "W
 FAMILIES: dict[str, KernelFamily] = {
     f.name: f
     for f in [CublasGemm(), SmallMGemm(), SplitKTensorCoreGemm(), WgmmaGemm(), StreamGemm(), SplitKClusterGemm(),
-              WgmmaClusterKGemm(),
+              WgmmaClusterKGemm(), WgmmaCkTriggerGemm(),
               KdaTorch(), KdaFused(), MlaTorch(),
               MlaSplitKv(), MoeStock(), MoeOverlap(), CpuGemm(), TpAllReduce()]
 }
@@ -39,20 +39,17 @@ FAMILIES: dict[str, KernelFamily] = {
 # probed by name (``family``) but offered to a sweep and keyed only where K3TUNE_EXTRA_FAMILIES names it
 # (comma-separated; the re-sweep that ships it), until it moves to FAMILIES with that database. (gemm.wgmma was
 # staged so until its dense re-sweep shipped, session 12; gemm.stream until session 13's; gemm.splitk_cluster until
-# session 14's; gemm.wgmma_ck until session 15's.)
+# session 14's; gemm.wgmma_ck until session 15's; gemm.wgmma_cktrig, landed on the H100 in session 60 and the H200 in
+# session 67, until every shipped table had it, session 67.)
 # Session 30's splitk_tma, splitk_ldsm, splitk_xreg and session 54's splitk_alias (87ba501), splitk_pf (b07cf86),
 # wgmma_ckr (7c63ab5), splitk_xring (cb67ed7) and session 55's splitk_trig (aabc50e) were staged, refuted on a GPU
 # and removed.
-STAGED: dict[str, KernelFamily] = {f.name: f for f in [WgmmaCkTriggerGemm()]}
+STAGED: dict[str, KernelFamily] = {}
 
 # Staged families whose re-sweep has shipped for some hardware but not yet for all: offered and keyed as landed on
 # the hardware named here (by its measured class key, ``Fingerprint.class_key``), staged elsewhere, so that one
 # table's re-sweep ships without making the others stale. A family moves to FAMILIES when every shipped table has it.
-LANDED_ON: dict[str, frozenset[str]] = {
-    # the H100's dense table and its 56 blocks re-swept with it (sessions 57-59, shipped in 60); the H200's
-    # (sessions 63 and 67, shipped in 67)
-    "gemm.wgmma_cktrig": frozenset({"NVIDIA H100 80GB HBM3|cc9.0|132sm|79GiB", "NVIDIA H200|cc9.0|132sm|140GiB"}),
-}
+LANDED_ON: dict[str, frozenset[str]] = {}
 
 
 _EXTRA_ERROR: list[str] = []  # a bad K3TUNE_EXTRA_FAMILIES, raised on first use (an import-time raise is a traceback)
