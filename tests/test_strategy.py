@@ -250,6 +250,14 @@ def test_the_problems_own_earlier_winner_is_remeasured_whatever_its_first_time()
     assert any(c.round == 1 and c.params == mine for c in seen), "the incumbent was not remeasured"
     assert (s.decision.family, s.decision.params) == ("moe.overlap", mine)
 
+    # a dense winner's family extended by another (gemm.wgmma_cktrig adopts gemm.wgmma_ck's winners at three trigger
+    # points): the winner is the incumbent, not the configs adopted from it
+    q = Problem("mla.q_a", "gemm", (("M", 16), ("N", 1536), ("K", 7168)))
+    won = {"warpgroups": 1, "tile_m": 16, "split_k": 8, "bk": 128, "stages": 4, "pdl": 1}
+    s = ProblemSearch(q, families_for(q, "gpu", "sm_90a"), settings, seed=0, warm=[("gemm.wgmma_ck", won, q)])
+    assert s.incumbents == [("gemm.wgmma_ck", params_key(won))]
+    assert sum(c.family == "gemm.wgmma_cktrig" for c in s.queue) >= 3  # the adopted ones are still measured
+
     # the same config as a neighbouring problem's winner only: no finalist's place, and the outlier decides
     seen.clear()
     s = ProblemSearch(p, fams, settings, seed=0, warm=[("moe.overlap", mine, other)])

@@ -186,9 +186,11 @@ class ProblemSearch:
         # the problem's own earlier winners (what a re-sweep or a polish pass starts from): remeasured beside the
         # finalists whatever their first time, so that one slow outlier cannot unseat them (H200 s67-r2: a block's
         # shipped knobs timed once at 127.1 us, then 109.1-111.2 every time after; a 40-SM split at 114.1 won)
+        # (the winner itself, as adapted to its family's space; not the configs other families adopt from it)
         self.incumbents = [(f.name, params_key(c.params())) for fam_name, params, *source in self.warm
                            if source and source[0] == self.problem
-                           for f, c in _warm_configs(self.problem, self.families, fam_name, params, None)]
+                           for f, c in _warm_configs(self.problem, self.families, fam_name, params, None)
+                           if f.name == fam_name]
 
     # ---- bookkeeping --------------------------------------------------------------------------
     @property
