@@ -34,8 +34,7 @@ def test_the_shipped_h200_kernel_runs_and_matches_eagerly_and_from_a_graph(op, t
     _serve_and_check(Selector.load(H200_DB, measured_on="h200"), op, tp, batch, draft)
 
 
-# each shipped table's picks of gemm.wgmma_cktrig (landed on the H100 and the H200: kernels.LANDED_ON), at odd token
-# counts too
+# each shipped table's picks of gemm.wgmma_cktrig, at odd token counts too
 CKTRIG_CASES = [("mla.q_a", 8, 16, 0), ("kda.o_proj", 8, 9, 0), ("moe.shared_w13", 16, 17, 0),
                 ("moe.router_latent", 16, 33, 0), ("mla.q_b", 8, 64, 0)]
 CKTRIG_CASES_H200 = [("mla.q_a", 8, 16, 0), ("kda.o_proj", 8, 9, 0), ("moe.shared_w13", 8, 15, 0),
@@ -45,8 +44,8 @@ CKTRIG_CASES_H200 = [("mla.q_a", 8, 16, 0), ("kda.o_proj", 8, 9, 0), ("moe.share
 @pytest.mark.parametrize("db,hw,op,tp,batch,draft", [(H100_DB, "h100", *c) for c in CKTRIG_CASES]
                          + [(H200_DB, "h200", *c) for c in CKTRIG_CASES_H200])
 def test_the_shipped_late_trigger_picks_run_and_match(db, hw, op, tp, batch, draft):
-    """Each shipped table serves gemm.wgmma_cktrig where its re-sweep picked it (the family is staged on other
-    hardware): the kernel that runs is that one, and it matches the reference eagerly and from a graph."""
+    """Each shipped table serves gemm.wgmma_cktrig where its re-sweep picked it: the kernel that runs is that one,
+    and it matches the reference eagerly and from a graph."""
     sel = Selector.load(db, measured_on=hw)
     assert sel.lookup(op, tp, batch, draft).family == "gemm.wgmma_cktrig"
     _serve_and_check(sel, op, tp, batch, draft)
