@@ -19,7 +19,6 @@ never timed on the selector's heuristic defaults.
 from __future__ import annotations
 
 import dataclasses
-import math
 import platform
 import time
 from collections.abc import Callable
@@ -37,6 +36,7 @@ from k3tune.plan.model import ModelConfig
 from k3tune.plan.spec import SweepSpec
 from k3tune.search.compile_farm import CompileFarm, default_procs
 from k3tune.search.method import method_digest
+from k3tune.search.neighbours import Neighbours
 from k3tune.search.outcome import Task
 from k3tune.search import polish
 from k3tune.search.phases import added_for_blocks, run_lookups
@@ -140,11 +140,6 @@ def arch_of(backend: str, hw: HardwareSpec | None, fp: Fingerprint) -> str | Non
     if backend == "gpu":
         return "sm_" + fp.compute_capability.replace(".", "") + "a"
     return None
-
-
-def _neighbour_distance(a: plans.Problem, b: plans.Problem) -> float:
-    return sum(abs(math.log(max(1, x[1])) - math.log(max(1, y[1]))) for x, y in zip(a.dims, b.dims)
-               if isinstance(x[1], int) and isinstance(y[1], int)) + sum(1 for x, y in zip(a.dims, b.dims) if x != y and not isinstance(x[1], int))
 
 
 def blocked_on_builds(active: dict[int, ProblemSearch], built: Callable[[int, Candidate], bool]) -> bool:
@@ -341,44 +336,9 @@ def _run_phase(opt: SweepOptions, plan: plans.Plan, t_start: float) -> SweepStat
             opt.progress(stats)
 
     db_retry = _retry_reporter(stats, report)
-    neighbours: dict[str, list[tuple[plans.Problem, str, dict]]] = {}
-    # winners by kind and dims: another op of the same shape (H200 dense: TP8 kda.o_proj and mla.o_proj are both
-    # 7168 x 1536; moe.shared_w2 TP8 and both o_proj TP16 are 7168 x 768) is the nearest neighbour there is
-    twins: dict[tuple, list[tuple[plans.Problem, str, dict]]] = {}
-    # winners by kind and token count: in a polish pass a problem also tries the winners of the other ops nearest
-    # in shape at its M (two H200 dense sweeps, 1 and 2 GPUs, each missed a config the other found, e.g. TP16
-    # mla.gate M=1 at 5.45 us where the M=1 small-M layout that wins the 1536-row shapes ran 4.57)
-    same_m: dict[tuple, list[tuple[plans.Problem, str, dict]]] = {}
-
-    def load_neighbours() -> None:
-        """Every stored winner of this hardware and backend (stale ones too: a suggestion, re-measured), and with
-        ``warm_from`` the other kind's where this one has none."""
-        def read(s: Session) -> list:
-            won = s.execute(select(Winner.problem_id, Winner.family, Winner.params)
-                            .where(Winner.hardware_id == hw_id, Winner.backend == label)).all()
-            if seed_hw:  # ``warm_from``: the other kind's winner where this one has none yet (one a problem)
-                have = {w[0] for w in won}
-                for w in s.execute(select(Winner.problem_id, Winner.family, Winner.params)
-                                   .where(Winner.hardware_id.in_(seed_hw), Winner.backend == label)
-                                   .order_by(Winner.hardware_id.desc())).all():
-                    if w[0] not in have:
-                        have.add(w[0])
-                        won.append(w)
-            return won
-
-        won = opt.db.transact(read, db_retry)
-        neighbours.clear()
-        twins.clear()
-        same_m.clear()
-        for pid, fam, params in won:
-            if pid in by_id:
-                q = by_id[pid]
-                neighbours.setdefault(q.op, []).append((q, fam, params))
-                twins.setdefault((q.kind, q.dims), []).append((q, fam, params))
-                if q.get("M") is not None:
-                    same_m.setdefault((q.kind, q["M"]), []).append((q, fam, params))
-
-    load_neighbours()
+    near = Neighbours(opt.db, hw_id, label, seed_hw, by_id, opt.spec.search,
+                      lambda p: families_for(p, opt.backend, arch, fp.class_key), db_retry)
+    near.load()
 
     active: dict[int, ProblemSearch] = {}
     incumbent: dict[int, tuple[str, dict]] = {}  # polished problems: the search's choice before polishing
@@ -392,43 +352,6 @@ def _run_phase(opt: SweepOptions, plan: plans.Plan, t_start: float) -> SweepStat
     target_active = max(4, 2 * opt.workers, farm.procs)
     last_renew = time.monotonic()
 
-    polishing = False  # a polish pass: more neighbours' winners, no TPE
-    distances: dict[tuple[str, str], float] = {}  # by problem keys: every pass ranks the same pairs again (a default
-    # GB300 sweep spent 200 of its 275 s of pass planning, with the workers idle, recomputing them)
-
-    def distance(q: plans.Problem, p: plans.Problem) -> float:
-        k = (q.key, p.key)
-        d = distances.get(k)
-        if d is None:
-            d = distances[k] = _neighbour_distance(q, p)
-        return d
-
-    def near_winners(p: plans.Problem) -> list[tuple[plans.Problem, str, dict]]:
-        """The problem's own stored winners (of older kernel versions), those of other ops of its shape and those
-        of the nearest problems of its op."""
-        mine = [n for n in neighbours.get(p.op, []) if n[0] == p]
-        same_shape = sorted((n for n in twins.get((p.kind, p.dims), []) if n[0] != p), key=lambda n: n[0].op)
-        others = sorted((n for n in neighbours.get(p.op, []) if n[0] != p), key=lambda n: distance(n[0], p))
-        if not polishing:
-            return mine + same_shape + others[:2]
-        at_m = sorted((n for n in same_m.get((p.kind, p.get("M")), []) if n[0].op != p.op and n[0].dims != p.dims),
-                      key=lambda n: (distance(n[0], p), n[0].op))
-        moved = []
-        search = opt.spec.search
-        if search.local or search.whole:  # the winner's one-knob neighbours (a hill climb over the passes), and
-            # every value of the ``whole`` knobs
-            fams = {f.name: f for f in families_for(p, opt.backend, arch, fp.class_key)}
-            moved = [(p, fam, prm) for q, fam, params in mine if fam in fams
-                     for prm in ((polish.local_moves(fams[fam], p, params) if search.local else [])
-                                 + polish.whole_moves(fams[fam], p, params, search.whole))]
-        if not search.neighbours:  # only the winner's own moves
-            return mine + moved
-        return mine + moved + same_shape + others[:search.neighbours] + at_m[:polish.CROSS_OP]
-
-    def warm(p: plans.Problem) -> list[tuple[str, dict, plans.Problem]]:
-        """``near_winners`` as warm starts: (family, params, the problem it won on)."""
-        return [(f, prm, q) for q, f, prm in near_winners(p)]
-
     def built(pid: int, cand: Candidate) -> bool:
         farm.submit(by_id[pid], cand.family, cand.params)  # a fresh TPE sample: its build starts now
         return farm.ready(by_id[pid], cand.family, cand.params)
@@ -439,8 +362,8 @@ def _run_phase(opt: SweepOptions, plan: plans.Plan, t_start: float) -> SweepStat
         stored = opt.db.transact(lambda s: records.stored_trials(
             s, hw_id, pid, {f.name: fam_digests[f.name] for f in fams}, method), db_retry)
         search = ProblemSearch(p, fams, opt.spec.search, seed=opt.spec.search.seed + pid, stored=stored,
-                               warm=warm(p), tpe=not polishing)
-        if not polishing:  # a polish pass re-reads the trials its search just stored
+                               warm=near.warm(p), tpe=not near.polishing)
+        if not near.polishing:  # a polish pass re-reads the trials its search just stored
             stats.reused += len(stored) - len(search.refused)
         stats.refused.extend(search.refused)
         return search
@@ -465,7 +388,7 @@ def _run_phase(opt: SweepOptions, plan: plans.Plan, t_start: float) -> SweepStat
             stats.best_speedup = max(stats.best_speedup or 0.0, sp)
         # no warm start from winners found during this run: which neighbours finish first depends on the
         # number of workers, and the winners must not (a 1-GPU and an N-GPU sweep choose the same kernels)
-        stats.problems_done += not polishing
+        stats.problems_done += not near.polishing
         report(f"{p.key}: {d.family or 'no correct candidate'} {d.median_us:.2f} us")
 
     try:
@@ -478,9 +401,8 @@ def _run_phase(opt: SweepOptions, plan: plans.Plan, t_start: float) -> SweepStat
             wanted = {pid: d for pid, d in wanted.items() if pid not in coll}
         wanted_all, passes = dict(wanted), opt.spec.search.polish
         polish_start = 0.0  # monotonic time the first polish pass was planned
-        planner = polish.Planner(opt.db, hw_id, label, opt.spec.search,
-                                 lambda p: families_for(p, opt.backend, arch, fp.class_key), fam_digests, method, warm,
-                                 db_retry)
+        planner = polish.Planner(opt.db, hw_id, label, opt.spec.search, near.families, fam_digests, method,
+                                 near.warm, db_retry)
         if not wanted:
             pool.close()  # nothing left to measure (the workers were started early, in vain)
         with pool:
@@ -488,7 +410,7 @@ def _run_phase(opt: SweepOptions, plan: plans.Plan, t_start: float) -> SweepStat
                 stats.pool_started_s = time.monotonic() - t_start
             while True:  # the search, then polish passes until no neighbour's winner is left untried
                 # while the workers start: every problem's known candidates to the farm, in claim order
-                farm.submit_known([by_id[pid] for pid in wanted], opt.backend, opt.spec.search, warm, fp.class_key)
+                farm.submit_known([by_id[pid] for pid in wanted], opt.backend, opt.spec.search, near.warm, fp.class_key)
                 while True:
                     if len(active) < target_active:
                         got = opt.db.transact(lambda s: records.claim(
@@ -550,7 +472,7 @@ def _run_phase(opt: SweepOptions, plan: plans.Plan, t_start: float) -> SweepStat
                         stats.trials += 1
                         stats.failed += outcome.status != "ok"
                         stats.worker_build_s += outcome.compile_s or 0.0
-                        if polishing:
+                        if near.polishing:
                             stats.polish_build_s += outcome.compile_s or 0.0
                     if batch:
                         opt.db.transact(lambda s: records.record_trials(s, run_id, hw_id, label, batch), db_retry)
@@ -566,8 +488,8 @@ def _run_phase(opt: SweepOptions, plan: plans.Plan, t_start: float) -> SweepStat
                 passes -= 1
                 t_plan = time.monotonic()
                 polish_start = polish_start or t_plan
-                load_neighbours()  # now with every winner of this run
-                polishing = True
+                near.load()  # now with every winner of this run
+                near.polishing = True
                 wanted = (planner.open_pass(set(wanted_all))
                           or planner.plan({pid: by_id[pid] for pid in wanted_all}, wanted_all))
                 stats.polish_plan_s += time.monotonic() - t_plan
