@@ -1,6 +1,8 @@
 """The warm starts a sweep offers a problem from the stored winners (k3tune/search/neighbours.py), read from a real
 SQLite database that a simulated sweep filled."""
 
+import pytest
+
 from k3tune.kernels import families_for
 from k3tune.plan import hardware, model, problems as plans, spec
 from k3tune.search.driver import BACKEND_LABEL, SweepOptions, fingerprint_for, run_sweep
@@ -51,3 +53,30 @@ def test_distance_is_zero_for_a_shape_and_grows_with_the_log_of_each_size():
     assert distance(a, b) == 0
     assert 0 < distance(a, c) < distance(a, d)
     assert distance(a, d) == distance(d, a)
+
+
+def test_a_database_failing_as_the_winners_are_read_ends_the_run_and_frees_its_claims(db_path, monkeypatch):
+    """The first read of the search (the stored winners) fails: the sweep raises, its run is recorded as failed,
+    no claim stays held for another sweep to wait out, and no worker process is left behind."""
+    import multiprocessing
+
+    from sqlalchemy import select
+
+    from k3tune.errors import DatabaseError
+    from k3tune.search import neighbours
+    from k3tune.store.models import Claim, Run
+
+    def fail(self):
+        raise DatabaseError("the server went away")
+
+    monkeypatch.setattr(neighbours.Neighbours, "load", fail)
+    sp = spec.from_dict({"matrix": {"tp": [16], "batch": [1], "ops": ["kda.o_proj"]},
+                         "buckets": {"tokens": [1, 2], "batch": [1], "query_len": [1]},
+                         "search": {"budget": 4, "samples": 3, "polish": 0}})
+    db = store_db.open_db(db_path)
+    with pytest.raises(DatabaseError, match="went away"):
+        run_sweep(SweepOptions(sp, model.load(), db, "simulated", 2, hw=GB300))
+    with db.session() as s:
+        assert s.scalars(select(Run.status)).all() == ["failed"]
+        assert s.scalars(select(Claim.state)).all() and "claimed" not in s.scalars(select(Claim.state)).all()
+    assert not [c for c in multiprocessing.active_children() if c.is_alive()]

@@ -338,7 +338,6 @@ def _run_phase(opt: SweepOptions, plan: plans.Plan, t_start: float) -> SweepStat
     db_retry = _retry_reporter(stats, report)
     near = Neighbours(opt.db, hw_id, label, seed_hw, by_id, opt.spec.search,
                       lambda p: families_for(p, opt.backend, arch, fp.class_key), db_retry)
-    near.load()
 
     active: dict[int, ProblemSearch] = {}
     incumbent: dict[int, tuple[str, dict]] = {}  # polished problems: the search's choice before polishing
@@ -392,6 +391,7 @@ def _run_phase(opt: SweepOptions, plan: plans.Plan, t_start: float) -> SweepStat
         report(f"{p.key}: {d.family or 'no correct candidate'} {d.median_us:.2f} us")
 
     try:
+        near.load()  # inside: a database that fails here still closes the pool and ends the run
         coll = {pid: d for pid, d in wanted.items() if by_id[pid].kind == "allreduce"}
         if coll:  # collectives first, on a group of this sweep's GPUs (no one-GPU worker can run them)
             got = opt.db.transact(lambda s: records.claim(s, hw_id, label, owner, coll, len(coll), opt.lease_s,
