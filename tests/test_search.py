@@ -944,3 +944,30 @@ def test_warm_from_refuses_a_kind_it_cannot_use_in_one_line(tmp_path, hw_key, na
             assert s.scalar(select(func.count()).select_from(Run)) == before
     finally:
         db.close()
+
+
+def test_a_database_failing_once_the_run_is_recorded_ends_it_as_failed(tmp_path, monkeypatch):
+    """The database fails after the sweep recorded its run but before the search began (planning its claims): the
+    error is raised, the run is recorded as failed, not left 'running', and the workers started early are gone."""
+    import multiprocessing
+
+    from k3tune.errors import DatabaseError
+    from k3tune.store import records
+    from k3tune.store.models import Run
+
+    def fail(*a, **k):
+        raise DatabaseError("the server went away")
+
+    monkeypatch.setattr(records, "plan_claims", fail)
+    sp = spec.from_dict({"matrix": {"tp": [16], "batch": [1], "ops": ["kda.o_proj"]},
+                         "buckets": {"tokens": [1, 2], "batch": [1], "query_len": [1]},
+                         "search": {"budget": 4, "samples": 3, "polish": 0}})
+    db = store_db.open_db(str(tmp_path / "f.sqlite"))
+    try:
+        with pytest.raises(DatabaseError, match="went away"):
+            run_sweep(_opts(db, sp, workers=2))
+        with db.session() as s:
+            assert s.scalars(select(Run.status)).all() == ["failed"]
+        assert not [c for c in multiprocessing.active_children() if c.is_alive()]
+    finally:
+        db.close()

@@ -293,6 +293,7 @@ def _run_phase(opt: SweepOptions, plan: plans.Plan, t_start: float) -> SweepStat
     # the farm's arch only after the workers' start (on a GPU current_arch starts CUDA in the driver: the pool
     # started 2.6-3.3 s late in the s11 H200 sweeps), and only for a farm (it imports torch: ~1.7 s)
     farm = CompileFarm(procs, current_arch() if procs else "")  # spawns on its first submit
+    run_id = None
     try:
         fp = fingerprint_for(opt.backend, opt.hw)  # after the workers' start: on a GPU it starts CUDA here too
         arch = arch_of(opt.backend, opt.hw, fp)  # families with no code for it are never offered (gemm.wgmma on GB300)
@@ -306,6 +307,14 @@ def _run_phase(opt: SweepOptions, plan: plans.Plan, t_start: float) -> SweepStat
             seed_hw = warm_hardware(s, opt.db.name, opt.warm_from, fp, hw_id) if opt.warm_from else []
             sw_id = records.software_id(s, records.software_versions())
             pids = records.problem_ids(s, tunable)
+        if runs_others:  # before the run's record too: a refused sweep leaves no run behind
+            gaps = unmet_runs(opt.db, hw_id, label, opt.backend, [p for p in tunable if plans.OPS[p.op].runs],
+                              fp.class_key)
+            if gaps:
+                raise ConfigError(f"{len(gaps)} lookups of the dense kernels the MoE block runs have no current "
+                                  f"winner in {opt.db.path or 'the database'} (first: {gaps[0]}): sweep those ops "
+                                  "into it first (on an H200: --spec configs/sweep_h200_dense.toml, the same --db)")
+        with opt.db.session() as s:
             run = records.start_run(s, command=opt.command, backend=label, hw_id=hw_id, sw_id=sw_id,
                                     spec_digest=opt.spec.digest())
             run_id, owner = run.id, run.owner
@@ -316,16 +325,11 @@ def _run_phase(opt: SweepOptions, plan: plans.Plan, t_start: float) -> SweepStat
             records.release_dead_local_claims(s, hw_id, label)
             stats.problems_total = len(wanted)
             stats.problems_done_before = len(wanted) - records.remaining(s, hw_id, label, wanted)
-        if runs_others:
-            gaps = unmet_runs(opt.db, hw_id, label, opt.backend, [p for p in tunable if plans.OPS[p.op].runs],
-                              fp.class_key)
-            if gaps:
-                raise ConfigError(f"{len(gaps)} lookups of the dense kernels the MoE block runs have no current "
-                                  f"winner in {opt.db.path or 'the database'} (first: {gaps[0]}): sweep those ops "
-                                  "into it first (on an H200: --spec configs/sweep_h200_dense.toml, the same --db)")
     except BaseException:
         pool.close()
         farm.close()
+        if run_id is not None:  # recorded, then the database failed: the run is not left 'running'
+            _end_run(opt.db, run_id, None, "failed")
         raise
     stats.run_id = run_id
 
@@ -514,15 +518,22 @@ def _run_phase(opt: SweepOptions, plan: plans.Plan, t_start: float) -> SweepStat
     finally:
         farm.close()
         pool.close()
-        try:
-            with opt.db.session() as s:
-                if status != "done":
-                    records.release_claims(s, owner)
-                records.end_run(s, run_id, status)
-        except Exception:  # the database itself may be what failed; the original error matters more
-            pass
+        _end_run(opt.db, run_id, None if status == "done" else owner, status)
     report("done")
     return stats
+
+
+def _end_run(db: Database, run_id: int, release_owner: str | None, status: str) -> None:
+    """Record how the run ended, and give back the claims ``release_owner`` holds (a run that did not finish). The
+    database itself may be what failed: then nothing is recorded, and the error that ended the run is the one
+    raised."""
+    try:
+        with db.session() as s:
+            if release_owner:
+                records.release_claims(s, release_owner)
+            records.end_run(s, run_id, status)
+    except Exception:
+        pass
 
 
 def _tune_collectives(problems: list[plans.Problem], pids: dict, opt: SweepOptions, hw_id: int, run_id: int,
