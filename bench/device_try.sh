@@ -4,8 +4,9 @@
 # (bench/served_all.sh, its tests skipped), then the dense and block GPU tests in the time left; on any other card
 # the dense and block GPU tests only.
 # Usage (device tool, kind nvidia-h200, carry [".carry"]): bash bench/device_try.sh
-# CALL_S bounds the whole call (default 570 s); the tests get what is left, none under 60 s. ONLY_H200=1: off an
-# H200, exit at once (the tests already ran on this code).
+# CALL_S bounds the whole call (default 570 s; GEMM_S 150 and SERVED_S 210 a format bound the benches within the
+# device's 600 s); the tests get what is left, none under 60 s. ONLY_H200=1: off an H200, exit at once (the tests
+# already ran on this code).
 set -uo pipefail
 G=$(nvidia-smi --query-gpu=name --format=csv,noheader); echo "GPU: $G"; date -u
 case "$G" in *H200*) ;; *) [ "${ONLY_H200:-0}" = 1 ] && { echo "not an H200: nothing to do"; exit 3; } ;; esac
@@ -13,7 +14,7 @@ source .carry/cutedsl/unpack.sh >/dev/null 2>&1 || { echo "no CuTe DSL bundle (.
 case "$G" in
   *H200*) timeout ${GEMM_S:-150} python3 bench/gemm.py --ms 1,2,4,8,16,32,64,128,256,512 --samples 9 --rounds 3 \
             --out $OUT/gemm.json > $OUT/gemm.log 2>&1; echo "gemm rc=$? at $SECONDS s"; grep -v "^tp" $OUT/gemm.log | tail -14
-          CALL_S=0 bash bench/served_all.sh ;;
+          CALL_S=0 SERVED_S=${SERVED_S:-210} bash bench/served_all.sh ;;  # s46-r7: both formats and the block tests in 427 s
 esac
 left=$((${CALL_S:-570} - SECONDS))
 if [ $left -gt 60 ]; then
