@@ -946,9 +946,11 @@ def test_warm_from_refuses_a_kind_it_cannot_use_in_one_line(tmp_path, hw_key, na
         db.close()
 
 
-def test_a_database_failing_once_the_run_is_recorded_ends_it_as_failed(tmp_path, monkeypatch):
-    """The database fails after the sweep recorded its run but before the search began (planning its claims): the
-    error is raised, the run is recorded as failed, not left 'running', and the workers started early are gone."""
+@pytest.mark.parametrize("error, status", [("database", "failed"), ("interrupt", "interrupted")])
+def test_a_database_failing_once_the_run_is_recorded_ends_it_as_failed(tmp_path, monkeypatch, error, status):
+    """The database fails (or ^C comes) after the sweep recorded its run but before the search began (planning its
+    claims): the error is raised, the run is recorded as failed (interrupted), not left 'running', and the workers
+    started early are gone."""
     import multiprocessing
 
     from k3tune.errors import DatabaseError
@@ -956,7 +958,7 @@ def test_a_database_failing_once_the_run_is_recorded_ends_it_as_failed(tmp_path,
     from k3tune.store.models import Run
 
     def fail(*a, **k):
-        raise DatabaseError("the server went away")
+        raise DatabaseError("the server went away") if error == "database" else KeyboardInterrupt("went away")
 
     monkeypatch.setattr(records, "plan_claims", fail)
     sp = spec.from_dict({"matrix": {"tp": [16], "batch": [1], "ops": ["kda.o_proj"]},
@@ -965,10 +967,10 @@ def test_a_database_failing_once_the_run_is_recorded_ends_it_as_failed(tmp_path,
     db = store_db.open_db(str(tmp_path / "f.sqlite"))
     before = {c.pid for c in multiprocessing.active_children()}  # another test's, not this sweep's
     try:
-        with pytest.raises(DatabaseError, match="went away"):
+        with pytest.raises(DatabaseError if error == "database" else KeyboardInterrupt, match="went away"):
             run_sweep(_opts(db, sp, workers=2))
         with db.session() as s:
-            assert s.scalars(select(Run.status)).all() == ["failed"]
+            assert s.scalars(select(Run.status)).all() == [status]
         assert not [c for c in multiprocessing.active_children() if c.is_alive() and c.pid not in before]
     finally:
         db.close()

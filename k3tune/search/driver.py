@@ -325,11 +325,11 @@ def _run_phase(opt: SweepOptions, plan: plans.Plan, t_start: float) -> SweepStat
             records.release_dead_local_claims(s, hw_id, label)
             stats.problems_total = len(wanted)
             stats.problems_done_before = len(wanted) - records.remaining(s, hw_id, label, wanted)
-    except BaseException:
+    except BaseException as e:
         pool.close()
         farm.close()
-        if run_id is not None:  # recorded, then the database failed: the run is not left 'running'
-            _end_run(opt.db, run_id, None, "failed")
+        if run_id is not None:  # recorded, then the database failed (or ^C): the run is not left 'running'
+            _end_run(opt.db, run_id, None, "interrupted" if isinstance(e, KeyboardInterrupt) else "failed")
         raise
     stats.run_id = run_id
 
