@@ -361,7 +361,7 @@ def _run_phase(opt: SweepOptions, plan: plans.Plan, t_start: float) -> SweepStat
 
     def open_search(pid: int) -> ProblemSearch:
         p = by_id[pid]
-        fams = families_for(p, opt.backend, arch, fp.class_key)
+        fams = near.families(p)
         stored = opt.db.transact(lambda s: records.stored_trials(
             s, hw_id, pid, {f.name: fam_digests[f.name] for f in fams}, method), db_retry)
         search = ProblemSearch(p, fams, opt.spec.search, seed=opt.spec.search.seed + pid, stored=stored,

@@ -95,36 +95,44 @@ def known_candidates(problem: Problem, families: list[KernelFamily], settings: S
 def _warm_configs(problem: Problem, families: list[KernelFamily], fam_name: str, params: dict,
                   source: Problem | None) -> list[tuple[KernelFamily, object]]:
     """The configs a winner (of ``fam_name``, on ``source``) suggests for ``problem``: adopted by the families that
-    extend its own, and its own family's config adapted to the declared space (and moved to this problem's
-    shape-dependent defaults where it kept its own problem's)."""
+    extend its own, and its own family's config adapted to the declared space (``_own_configs``)."""
     out = []
-    fams = {f.name: f for f in families}
     for f in families:  # a family extending the winner's with a knob: the winner with that knob set
         for prm in f.adopt(fam_name, params, problem):
             try:
                 out.append((f, f.config_from_params(problem, prm)))
             except CannotImplement:
                 pass
-    if fam_name in fams:
-        f = fams[fam_name]
-        space, base = f.cached_space(problem), f.default_config(problem).params()
-        # a winner of an older kernel version may lack knobs added since (they take the default's
-        # value) or hold a value no longer declared (likewise): it is a suggestion, re-measured
-        adapted = {k: params[k] if params.get(k) in space[k] else base[k] for k in space}
-        tries = [adapted]
-        added = [k for k in space if k not in params]
-        if added:  # and as it ran: a knob is added with the older kernel's behaviour first in its space (0:
-            # off), and the default's value may not fit the rest (H200 s22: the MXFP4 default's 2-stage weight
-            # ring did not fit the shared memory of s21's TP16 Zipf b1 winner, so that winner was never
-            # re-measured and the re-sweep kept a config 3.8% slower)
-            tries.append({**adapted, **{k: space[k][0] for k in added}})
-        if source is not None and source != problem:
-            tries.append(_follow_defaults(f, source, adapted, base))
-        for prm in tries:
-            try:
-                out.append((f, f.config_from_params(problem, prm)))
-            except CannotImplement:
-                pass  # a neighbour's winner may not fit this problem
+    return out + _own_configs(problem, families, fam_name, params, source)
+
+
+def _own_configs(problem: Problem, families: list[KernelFamily], fam_name: str, params: dict,
+                 source: Problem | None) -> list[tuple[KernelFamily, object]]:
+    """A winner of ``fam_name`` as configs of its own family for ``problem``: adapted to the declared space (and
+    moved to this problem's shape-dependent defaults where it kept its own problem's); none where that family is
+    not offered."""
+    f = next((f for f in families if f.name == fam_name), None)
+    if f is None:
+        return []
+    space, base = f.cached_space(problem), f.default_config(problem).params()
+    # a winner of an older kernel version may lack knobs added since (they take the default's
+    # value) or hold a value no longer declared (likewise): it is a suggestion, re-measured
+    adapted = {k: params[k] if params.get(k) in space[k] else base[k] for k in space}
+    tries = [adapted]
+    added = [k for k in space if k not in params]
+    if added:  # and as it ran: a knob is added with the older kernel's behaviour first in its space (0:
+        # off), and the default's value may not fit the rest (H200 s22: the MXFP4 default's 2-stage weight
+        # ring did not fit the shared memory of s21's TP16 Zipf b1 winner, so that winner was never
+        # re-measured and the re-sweep kept a config 3.8% slower)
+        tries.append({**adapted, **{k: space[k][0] for k in added}})
+    if source is not None and source != problem:
+        tries.append(_follow_defaults(f, source, adapted, base))
+    out = []
+    for prm in tries:
+        try:
+            out.append((f, f.config_from_params(problem, prm)))
+        except CannotImplement:
+            pass  # a neighbour's winner may not fit this problem
     return out
 
 
@@ -189,8 +197,7 @@ class ProblemSearch:
         # (the winner itself, as adapted to its family's space; not the configs other families adopt from it)
         self.incumbents = [(f.name, params_key(c.params())) for fam_name, params, *source in self.warm
                            if source and source[0] == self.problem
-                           for f, c in _warm_configs(self.problem, self.families, fam_name, params, None)
-                           if f.name == fam_name]
+                           for f, c in _own_configs(self.problem, self.families, fam_name, params, None)]
 
     # ---- bookkeeping --------------------------------------------------------------------------
     @property
