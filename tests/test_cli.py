@@ -205,6 +205,10 @@ def test_bad_files_are_one_line_and_untouched(tmp_path, capsys):
     for url in ("postgres://u@h/k3tune", "mysql://u@h/k3tune"):  # SQLAlchemy said "Can't load plugin: ..."
         assert main(["sweep", "--simulate", "gb300", "--spec", "smoke", "--db", url]) == 4
         assert "unsupported database URL scheme" in capsys.readouterr().err
+    # SQLAlchemy's in-memory SQLite: the whole sweep ran, rc 0, and every trial and winner went with the process
+    for url in ("sqlite://", "sqlite:///:memory:", "sqlite+pysqlite:///:memory:", "sqlite:///file:k?mode=memory"):
+        assert main(["sweep", "--simulate", "gb300", "--spec", "smoke", "--db", url]) == 4, url
+        assert "in-memory SQLite database" in capsys.readouterr().err
 
 
 def test_a_spec_the_model_cannot_plan_fails_before_any_database_is_made(tmp_path, capsys):

@@ -69,10 +69,20 @@ def to_url(target: str | os.PathLike) -> tuple[str, Path | None]:
     """A path becomes a SQLite URL; a URL stays as it is. Returns (url, sqlite path or None)."""
     s = str(target)
     if "://" in s:
-        if s.startswith("sqlite:///"):
-            return s, Path(s[len("sqlite:///"):])
         scheme = s.split("://", 1)[0]
-        if scheme.split("+", 1)[0] != "postgresql":  # "postgres://", "mysql://": SQLAlchemy's plugin error otherwise
+        backend = scheme.split("+", 1)[0]
+        if backend == "sqlite":
+            try:
+                url = make_url(s)
+            except ArgumentError:
+                raise DatabaseError(f"malformed SQLite URL {s!r}: give a SQLite path or sqlite:///PATH") from None
+            # "sqlite://" and ":memory:" are SQLAlchemy's in-memory database: a sweep into one ran to the end and
+            # its every trial and winner went with the process
+            if url.database in (None, "", ":memory:") or url.query.get("mode") == "memory":
+                raise DatabaseError(f"{s} is an in-memory SQLite database, which keeps nothing once the command "
+                                    "ends: give a file path")
+            return s, Path(url.database)
+        if backend != "postgresql":  # "postgres://", "mysql://": SQLAlchemy's plugin error otherwise
             raise DatabaseError(f"unsupported database URL scheme '{scheme}': give a SQLite path or a "
                                 "postgresql:// URL")
         return s, None
