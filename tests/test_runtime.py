@@ -181,11 +181,26 @@ def test_a_stale_row_beside_a_current_winner_is_superseded_not_warned_of(smoke_d
     (dict(op="kda.o_proj", tp=5, batch=4), "tp 5 does not divide"),
     (dict(op="mla.decode", tp=8, batch=4, context=0), "context 0 must be a positive"),  # was served from 8192
     (dict(op="mla.decode", tp=8, batch=4, context=-5), "context -5 must be a positive"),
+    # sizes that are not integers were TypeErrors from the tables (float batch, str batch or context)
+    (dict(op="kda.o_proj", tp=8, batch=2.0), "must be integers, not .*batch=2.0"),
+    (dict(op="kda.decode", tp=8, batch="4"), "must be integers, not .*batch='4'"),
+    (dict(op="mla.decode", tp=8, batch=4, context="8192"), "must be integers, not .*context='8192'"),
+    (dict(op="kda.o_proj", tp=8.0, batch=4), "must be integers, not tp=8.0"),
 ])
 def test_bad_lookups_raise_clear_errors(smoke_db, args, msg):
     sel = Selector.load(smoke_db, simulated="gb300")
     with pytest.raises(ConfigError, match=msg):
         sel.lookup(**args)
+
+
+def test_numpy_integer_sizes_are_served_as_ints(smoke_db):
+    import numpy as np
+
+    sel = Selector.load(smoke_db, simulated="gb300")
+    for op in ("kda.o_proj", "kda.decode", "mla.decode"):
+        a = sel.lookup(op, np.int64(16), np.int32(8), draft=np.int64(1), context=np.int64(32768))
+        b = sel.lookup(op, 16, 8, draft=1, context=32768)
+        assert (a.problem, a.family, a.params, a.source) == (b.problem, b.family, b.params, b.source), op
 
 
 def test_a_dense_op_is_looked_up_by_tokens_up_to_512(smoke_db):

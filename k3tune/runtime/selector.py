@@ -19,6 +19,7 @@ import hashlib
 import logging
 import os
 from dataclasses import dataclass
+from operator import index
 from pathlib import Path
 
 from sqlalchemy import select
@@ -334,6 +335,12 @@ class Selector:
         A dense op is keyed by tokens per step alone, so it takes any batch x (1 + draft) up to 512 tokens: a
         measured MoE block at M tokens asks for its dense kernels as batch M (M > 64 was refused, failing every
         block trial of a spec with drafts)."""
+        try:  # a float or str size raised TypeError or IndexError from the tables below; numpy integers pass
+            tp, batch, draft, dcp = index(tp), index(batch), index(draft), index(dcp)
+            context = None if context is None else index(context)
+        except TypeError:
+            raise ConfigError(f"{op}: tp, batch, draft, dcp and context must be integers, not tp={tp!r} "
+                              f"batch={batch!r} draft={draft!r} dcp={dcp!r} context={context!r}") from None
         ent = self._ops.get(op)
         if (ent is not None and 0 < batch and 0 <= draft <= MAX_DRAFT and 0 < dcp <= tp and not tp % dcp
                 and (batch <= MAX_BATCH or (ent[0] == _GEMM and batch * (1 + draft) < len(self._tb)))):
