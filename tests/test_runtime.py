@@ -310,3 +310,24 @@ def test_serve_db_from_the_environment_replaces_the_shipped_one(smoke_db, monkey
     assert Selector.load(simulated="gb300").lookup("kda.o_proj", 16, 8).source == "simulated"
     monkeypatch.setenv("K3TUNE_SERVE_DB", str(smoke_db) + ".missing")
     assert Selector.load(smoke_db, simulated="gb300").lookup("kda.o_proj", 16, 8).source == "simulated"
+
+
+def test_no_gpu_and_no_hardware_names_what_the_database_could_serve(smoke_db, monkeypatch):
+    """With no GPU found and none named, the selector serves heuristic defaults; the warning said only that, and a
+    user holding tuning_db/h200.sqlite was left to guess `--hardware` and its spelling (h200, not "NVIDIA H200")."""
+    from k3tune.plan import hardware
+    from k3tune.shipped import tuning_db_dir
+
+    monkeypatch.setattr(hardware, "detect", lambda: [])
+    monkeypatch.delenv("K3TUNE_SERVE_DB", raising=False)
+    cases = ((tuning_db_dir() / "h200.sqlite", "holds measured h200 (Selector.load(measured_on=...)"),
+             (smoke_db, "holds simulated gb300 (Selector.load(simulated=...), `k3tune lookup --simulate`)"),
+             (None, "the shipped tables hold measured h100, h200"))
+    for db, said in cases:
+        sel = Selector.load(db)
+        warned = [w for w in sel.warnings if w.startswith("no GPU detected")]
+        assert len(warned) == 1 and said in warned[0], (db, sel.warnings)
+        assert sel.lookup("kda.o_proj", 8, 4).source == "heuristic default"
+    assert Selector.load(smoke_db, simulated="gb300").lookup("kda.o_proj", 8, 8).source == "simulated"
+    assert Selector.load(db=tuning_db_dir() / "h200.sqlite", measured_on="h200").lookup(
+        "kda.o_proj", 8, 4).source == "measured"

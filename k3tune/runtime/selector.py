@@ -93,6 +93,35 @@ def measured_fingerprint(db, name: str) -> tuple[Fingerprint | None, str]:
     return Fingerprint(h.name, h.compute_capability, h.sm_count, h.memory_gib, h.driver, h.cuda, False), ""
 
 
+def _name_a_gpu(db) -> str:
+    """The end of the no-GPU warning: the hardware whose winners ``db`` (with none, the shipped tables) holds, by the
+    names ``measured_on`` / ``--hardware`` and ``simulated`` / ``--simulate`` take."""
+    if db is None:
+        measured, simulated = {p.stem for p in tuning_db_dir().glob("*.sqlite")}, set()
+    else:
+        try:
+            d, _ = open_for_serving(db)
+            try:
+                with d.session() as s:
+                    rows = s.execute(select(Hardware.name, Hardware.simulated)).all()
+            finally:
+                d.dispose()
+        except (DatabaseError, SQLAlchemyError):
+            return ""  # reading its winners would fail the same way, and say so
+        key = {n: hw.key if (hw := hardware.spec_for_device_name(n)) else n for n, _ in rows}
+        measured = {key[n] for n, sim in rows if not sim}
+        simulated = {key[n] for n, sim in rows if sim}
+    held = [f"measured {', '.join(sorted(measured))} (Selector.load(measured_on=...), `k3tune lookup --hardware`)"
+            if measured else "",
+            f"simulated {', '.join(sorted(simulated))} (Selector.load(simulated=...), `k3tune lookup --simulate`)"
+            if simulated else ""]
+    held = [h for h in held if h]
+    if not held:
+        return ""
+    return f"; {db if db is not None else 'the shipped tables'} hold{'s' if db is not None else ''} " + \
+        " and ".join(held) + ": name one"
+
+
 def _same_trace(dims: dict, own: str) -> dict:
     """A block tuned under a routing trace is served under that trace (its content digest) named by another path:
     a trace's key names the path the sweep read it from (``trace:/data/prod.jsonl@d1g3st``), which the serving
@@ -181,7 +210,7 @@ class Selector:
             fp = fingerprint
         path = db if db is not None else (settings.load().serve_db or shipped_db_for(fp))
         if fp is None:
-            sel._warn("no GPU detected and no hardware given: serving heuristic defaults")
+            sel._warn(f"no GPU detected and no hardware given: serving heuristic defaults{_name_a_gpu(path)}")
         elif path is None:
             sel._warn(f"no tuning database for {fp.name}: serving heuristic defaults")
         else:
