@@ -320,8 +320,8 @@ def test_no_gpu_and_no_hardware_names_what_the_database_could_serve(smoke_db, mo
 
     monkeypatch.setattr(hardware, "detect", lambda: [])
     monkeypatch.delenv("K3TUNE_SERVE_DB", raising=False)
-    cases = ((tuning_db_dir() / "h200.sqlite", "holds measured h200 (Selector.load(measured_on=...)"),
-             (smoke_db, "holds simulated gb300 (Selector.load(simulated=...), `k3tune lookup --simulate`)"),
+    cases = ((tuning_db_dir() / "h200.sqlite", "holds measured h200 (measured_on=..., `k3tune lookup --hardware`)"),
+             (smoke_db, "holds simulated gb300 (simulated=..., `k3tune lookup --simulate`)"),
              (None, "the shipped tables hold measured h100, h200"))
     for db, said in cases:
         sel = Selector.load(db)

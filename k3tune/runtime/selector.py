@@ -93,7 +93,7 @@ def measured_fingerprint(db, name: str) -> tuple[Fingerprint | None, str]:
     return Fingerprint(h.name, h.compute_capability, h.sm_count, h.memory_gib, h.driver, h.cuda, False), ""
 
 
-def _name_a_gpu(db) -> str:
+def _what_it_holds(db) -> str:
     """The end of the no-GPU warning: the hardware whose winners ``db`` (with none, the shipped tables) holds, by the
     names ``measured_on`` / ``--hardware`` and ``simulated`` / ``--simulate`` take."""
     if db is None:
@@ -111,15 +111,14 @@ def _name_a_gpu(db) -> str:
         key = {n: hw.key if (hw := hardware.spec_for_device_name(n)) else n for n, _ in rows}
         measured = {key[n] for n, sim in rows if not sim}
         simulated = {key[n] for n, sim in rows if sim}
-    held = [f"measured {', '.join(sorted(measured))} (Selector.load(measured_on=...), `k3tune lookup --hardware`)"
-            if measured else "",
-            f"simulated {', '.join(sorted(simulated))} (Selector.load(simulated=...), `k3tune lookup --simulate`)"
-            if simulated else ""]
-    held = [h for h in held if h]
+    held = []
+    if measured:
+        held.append(f"measured {', '.join(sorted(measured))} (measured_on=..., `k3tune lookup --hardware`)")
+    if simulated:
+        held.append(f"simulated {', '.join(sorted(simulated))} (simulated=..., `k3tune lookup --simulate`)")
     if not held:
         return ""
-    return f"; {db if db is not None else 'the shipped tables'} hold{'s' if db is not None else ''} " + \
-        " and ".join(held) + ": name one"
+    return f"; {f'{db} holds' if db is not None else 'the shipped tables hold'} {' and '.join(held)}: name one"
 
 
 def _same_trace(dims: dict, own: str) -> dict:
@@ -210,7 +209,7 @@ class Selector:
             fp = fingerprint
         path = db if db is not None else (settings.load().serve_db or shipped_db_for(fp))
         if fp is None:
-            sel._warn(f"no GPU detected and no hardware given: serving heuristic defaults{_name_a_gpu(path)}")
+            sel._warn(f"no GPU detected and no hardware given: serving heuristic defaults{_what_it_holds(path)}")
         elif path is None:
             sel._warn(f"no tuning database for {fp.name}: serving heuristic defaults")
         else:
