@@ -331,3 +331,21 @@ def test_no_gpu_and_no_hardware_names_what_the_database_could_serve(smoke_db, mo
     assert Selector.load(smoke_db, simulated="gb300").lookup("kda.o_proj", 8, 8).source == "simulated"
     assert Selector.load(db=tuning_db_dir() / "h200.sqlite", measured_on="h200").lookup(
         "kda.o_proj", 8, 4).source == "measured"
+
+
+def test_a_block_above_every_tuned_bucket_is_served_with_a_word():
+    """The shipped H200 blocks are tuned up to 64 tokens, the default spec's tables go to 512: a block at batch 33 with
+    one draft (66 tokens) was served the stock path from the tables built at load with no warning, where the same
+    case outside them (the slow path) had one."""
+    from k3tune.plan import model as models
+    from k3tune.shipped import tuning_db_dir
+
+    bf16 = models.load(spec.configs_dir() / "kimi_k3_bf16_experts.json")
+    sel = Selector.load(tuning_db_dir() / "h200.sqlite", measured_on="h200", model=bf16)
+    assert sel.lookup("moe.block", 16, 64).source == "measured" and not sel.warnings, sel.warnings
+    c = sel.lookup("moe.block", 16, 33, draft=1)
+    assert (c.family, c.source, c.tuned_problem) == ("moe.stock", "heuristic default", None)
+    assert sel.warnings == [f"moe.block: {c.problem} has no tuned bucket at or above it; serving the heuristic "
+                            "default"], sel.warnings
+    sel.lookup("moe.block", 16, 9, draft=7)  # once per op
+    assert len(sel.warnings) == 1

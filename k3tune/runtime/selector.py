@@ -147,6 +147,7 @@ class Selector:
         self._ctx_map = {c: c for c in self._ctx} | {None: self._ctx[-1]}
         self._winners: dict[str, dict[str, tuple]] = {}  # op -> problem key -> (family, params, median, label, dims)
         self._warned: set[str] = set()
+        self._beyond: set[str] = set()  # untuned problems whose shape has winners at other sizes (``_choose``)
         self._warned_context: set[str] = set()  # ops told of a context above every bucket
         self._ops: dict[str, tuple[int, dict]] = {}  # op -> (kind code, table): one dict hit per lookup
         self.hash = ""
@@ -284,6 +285,7 @@ class Selector:
         for fam, params, median, lab, p in tuned.values():
             if tuple((k, v) for k, v in p.dims if k not in sizes) != fixed:
                 continue
+            self._beyond.add(problem.key)  # its shape is tuned at other sizes: if none fits, worth a word
             if all(p[d] >= problem[d] for d in sizes):
                 above.append((sum(p[d] for d in sizes), p.key, fam, params, median, lab, p))
         for _, _, fam, params, median, lab, p in sorted(above):
@@ -382,9 +384,13 @@ class Selector:
                 c = table.get((tp, dcp, self._bb[batch], self._qb[1 + draft], ctx))
             if c is None:
                 c = self._slow(op, tp, batch, draft, dcp, context)
-            if c.approx and op not in self._warned:
+            if op not in self._warned and (c.approx or (c.tuned_problem is None and c.problem in self._beyond)):
+                # once per op: a nearest bucket, or none at or above where its shape is tuned at other sizes (a block
+                # at batch 33 with a draft, above the 64 tokens tuned: the tables built at load served it silently)
                 self._warned.add(op)
-                self._warn(f"{op}: {c.problem} is untuned; serving the nearest tuned bucket {c.tuned_problem}")
+                self._warn(f"{op}: {c.problem} is untuned; serving the nearest tuned bucket {c.tuned_problem}"
+                           if c.approx else
+                           f"{op}: {c.problem} has no tuned bucket at or above it; serving the heuristic default")
             return c
         plans.op(op)  # unknown op: ConfigError
         specs.validate_deployment_values(tp, batch, dcp, draft)
@@ -410,9 +416,8 @@ class Selector:
             p = plans.problem_for(o, self.model, dep, self.spec)
         c = self._choose(p)
         self._tables[op][self._key(op, tp, batch, draft, dcp, dep.context if self._kind[op] == _MLA else 0)] = c
-        if c.tuned_problem is None and self._winners.get(op) and op not in self._warned:
-            self._warned.add(op)  # tuned elsewhere, not here (e.g. above every bucket of the spec): worth a word
-            self._warn(f"{op}: {c.problem} has no tuned bucket at or above it; serving the heuristic default")
+        if c.tuned_problem is None and self._winners.get(op):
+            self._beyond.add(c.problem)  # outside the spec's buckets (another tp, above them all), tuned elsewhere
         return c
 
     def layer(self, tp: int, batch: int, draft: int = 0, dcp: int = 1, context: int | None = None) -> dict[str, Choice]:
