@@ -349,3 +349,8 @@ def test_a_block_above_every_tuned_bucket_is_served_with_a_word():
                             "default"], sel.warnings
     sel.lookup("moe.block", 16, 9, draft=7)  # once per op
     assert len(sel.warnings) == 1
+    # a routing with no blocks of its own is served the uniform ones, and the same word above them
+    sel = Selector.load(tuning_db_dir() / "h200.sqlite", measured_on="h200", model=bf16, routing="zipf:2")
+    assert sel.lookup("moe.block", 16, 33, draft=1).source == "heuristic default"
+    assert [w for w in sel.warnings if "has no tuned bucket at or above it" in w], sel.warnings
+    assert sel.lookup("moe.block", 16, 64).source == "tuned for uniform routing (measured)"

@@ -301,6 +301,8 @@ class Selector:
             if alt.tuned_problem is not None:
                 return Choice(problem.op, alt.family, alt.params, f"tuned for uniform routing ({alt.source})",
                               problem.key, alt.tuned_problem, alt.median_us, approx=True)
+            if alt.problem in self._beyond:
+                self._beyond.add(problem.key)
         fam, cfg = safe_default(problem)
         return Choice(problem.op, fam.name, tuple(sorted(cfg.params().items())), "heuristic default", problem.key, None, None)
 
