@@ -281,11 +281,11 @@ class Selector:
             return Choice(problem.op, hit[0], hit[1], hit[3], problem.key, problem.key, hit[2])
         sizes = SIZE_DIMS[problem.kind]
         fixed = tuple((k, v) for k, v in problem.dims if k not in sizes)
-        above = []
+        above, shaped = [], False  # shaped: its shape is tuned at other sizes
         for fam, params, median, lab, p in tuned.values():
             if tuple((k, v) for k, v in p.dims if k not in sizes) != fixed:
                 continue
-            self._beyond.add(problem.key)  # its shape is tuned at other sizes: if none fits, worth a word
+            shaped = True
             if all(p[d] >= problem[d] for d in sizes):
                 above.append((sum(p[d] for d in sizes), p.key, fam, params, median, lab, p))
         for _, _, fam, params, median, lab, p in sorted(above):
@@ -301,8 +301,9 @@ class Selector:
             if alt.tuned_problem is not None:
                 return Choice(problem.op, alt.family, alt.params, f"tuned for uniform routing ({alt.source})",
                               problem.key, alt.tuned_problem, alt.median_us, approx=True)
-            if alt.problem in self._beyond:
-                self._beyond.add(problem.key)
+            shaped = shaped or alt.problem in self._beyond
+        if shaped:  # untuned here, tuned at other sizes: served the default below, with a word (``lookup``)
+            self._beyond.add(problem.key)
         fam, cfg = safe_default(problem)
         return Choice(problem.op, fam.name, tuple(sorted(cfg.params().items())), "heuristic default", problem.key, None, None)
 
