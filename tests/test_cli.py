@@ -270,6 +270,74 @@ def test_verify_reports_a_truncated_database(tmp_path, capsys):
     assert "schema not read" in text and "upgrade" not in text  # not a case for `k3tune db upgrade`
 
 
+def test_a_damaged_page_is_an_error_naming_the_damaged_file(tmp_path, capsys):
+    """A page the opening reads do not reach (the winners table's): `lookup --db` served heuristic defaults with exit 0
+    behind a warning that named no file, and `db export` / `db merge` named their own temporary file, not the source
+    that failed. Each is a one-line error naming the source now, exit 4, and nothing is written."""
+    import sqlite3
+
+    db = _smoke_db(tmp_path / "s.sqlite", capsys)
+    with closing(sqlite3.connect(db)) as c:
+        size = c.execute("PRAGMA page_size").fetchone()[0]
+        root = c.execute("SELECT rootpage FROM sqlite_master WHERE name = 'winners'").fetchone()[0]
+    data = bytearray(db.read_bytes())
+    data[(root - 1) * size:root * size] = b"\xff" * size
+    db.write_bytes(bytes(data))
+    assert main(["lookup", "--tp", "8", "--batch", "1", "--simulate", "gb300", "--db", str(db)]) == 4
+    err = capsys.readouterr().err
+    assert f"cannot read tuning database {db}: database disk image is malformed" in err, err
+    merged = shutil.copy(_smoke_db(tmp_path / "m.sqlite", capsys), tmp_path / "m0.sqlite")
+    for argv in (["db", "export", str(db), str(tmp_path / "e.sqlite")], ["db", "merge", str(tmp_path / "m.sqlite"), str(db)]):
+        assert main(argv) == 4, argv
+        err = capsys.readouterr().err
+        assert f"database error on {db}: database disk image is malformed" in err and ".tmp" not in err, err
+        assert len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "e.sqlite").exists()
+    assert (tmp_path / "m.sqlite").read_bytes() == Path(merged).read_bytes()
+
+
+def test_unreadable_json_cells_are_listed_by_verify_and_one_line_elsewhere(tmp_path, capsys):
+    """A winner's params or a problem's dims that is not a JSON object (a hand edit; SQLite checks no JSON on write)
+    was a JSONDecodeError traceback from `db verify`, `db report`, `db export`, `db diff` and `lookup`, and from
+    `Selector.load` in a server's start. verify lists the rows and checks the rest; the other commands are one line
+    naming the file (exit 4); serving leaves those winners out, with a warning, and serves the rest."""
+    import sqlite3
+
+    from k3tune.plan import spec as specs
+    from k3tune.runtime import Selector
+
+    db = _smoke_db(tmp_path / "j.sqlite", capsys)
+    with closing(sqlite3.connect(db)) as c:
+        (w1, w2), total = [r[0] for r in c.execute("SELECT id FROM winners ORDER BY id LIMIT 2")], \
+            c.execute("SELECT count(*) FROM winners").fetchone()[0]
+        p2, key2, op2 = c.execute("SELECT p.id, p.key, p.op FROM winners w JOIN problems p ON p.id = w.problem_id "
+                                  "WHERE w.id = ?", (w2,)).fetchone()
+        key1, op1 = c.execute("SELECT p.key, p.op FROM winners w JOIN problems p ON p.id = w.problem_id "
+                              "WHERE w.id = ?", (w1,)).fetchone()
+        c.execute("UPDATE winners SET params = '{split_k: 4' WHERE id = ?", (w1,))
+        c.execute("UPDATE problems SET dims = '[1, 2]' WHERE id = ?", (p2,))
+        c.commit()
+    assert main(["db", "verify", str(db), "--spec", "smoke", "--json"]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert out["unreadable"] == {"winners.params": [w1], "problems.dims": [p2]} and out["winners"] == total - 2
+    assert main(["db", "verify", str(db), "--spec", "smoke"]) == 1
+    text = capsys.readouterr().out
+    assert f"unreadable winners.params in 1 row: id {w1}" in text and "NOT OK" in text
+    for argv in (["db", "report", str(db)], ["db", "export", str(db), str(tmp_path / "e.sqlite")],
+                 ["db", "diff", str(db), str(db)]):
+        assert main(argv) == 4, argv
+        err = capsys.readouterr().err
+        assert f"{db}: a stored JSON value cannot be read" in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "e.sqlite").exists()
+    sel = Selector.load(db, simulated="gb300", spec=specs.load("smoke"))
+    assert sel.unread is None and any("left out 2 winners" in w for w in sel.warnings), sel.warnings
+    for op, key in ((op1, key1), (op2, key2)):
+        assert op not in sel._winners or key not in sel._winners[op]
+    assert sum(len(v) for v in sel._winners.values()) == total - 2
+    assert main(["lookup", "--tp", "8", "--batch", "1", "--simulate", "gb300", "--spec", "smoke", "--db", str(db)]) == 0
+    assert "left out 2 winners" in capsys.readouterr().out
+
+
 def test_verify_names_the_ops_whose_winners_are_stale(tmp_path, capsys):
     """A winner whose key no longer matches fails verify, and verify says which op it belongs to (a dense kernel
     changed under an MoE block makes the block's winners stale too: the count per op tells the two apart)."""

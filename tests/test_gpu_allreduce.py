@@ -91,3 +91,4 @@ def test_sweep_tunes_the_allreduce_on_the_group_and_records_group_keyed_winners(
         (keys[t.problem_id], t.params, t.error) for t in trials if t.status.value != "ok"]
     assert len(winners) == 7 and all("group=2" in keys[w.problem_id] for w in winners)
     assert {w.family for w in winners} == {"tp.allreduce"}
+    assert all(w.ties == [] for w in winners)  # a list like every winner's (until s70 the integer 0)

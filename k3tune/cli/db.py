@@ -117,6 +117,9 @@ def verify(db: DbArg = None, spec: SpecOption = None, config: ConfigOption = Non
         by_op = ", ".join(f"{op} {n}" for op, n in sorted(v.stale_by_op.items()))
         console.print(f"stale winners: {len(v.stale)}{f' ({by_op})' if by_op else ''}; "
                       f"parameters outside the space: {len(v.out_of_space)}")
+        for cell, ids in v.unreadable.items():  # not JSON, or not the JSON type the column holds
+            shown = ", ".join(map(str, ids[:10])) + (f" and {len(ids) - 10} more" if len(ids) > 10 else "")
+            console.print(f"unreadable {cell} in {len(ids)} row{'s' if len(ids) > 1 else ''}: id {shown}")
         for hw, c in v.coverage.items():
             console.print(f"coverage of spec {escape(sp.name)} on {escape(hw)}: {c['covered']}/{c['total']}")
         partial = any(c["covered"] < c["total"] for c in v.coverage.values())

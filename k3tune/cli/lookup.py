@@ -12,6 +12,7 @@ from rich.table import Table
 
 from k3tune import settings
 from k3tune.cli.common import ConfigOption, JsonOption, SpecOption, console, print_json, require_db
+from k3tune.errors import DatabaseError
 from k3tune.plan import hardware as hw, model as models, spec as specs
 from k3tune.runtime import Selector
 from k3tune.runtime.selector import measured_fingerprint
@@ -77,6 +78,8 @@ def lookup(
     try:
         sel = Selector.load(db, simulated=simulate, measured_on=hardware, spec=sp,
                             model=models.load(config or sp.model_config_path()))
+        if db is not None and sel.unread:  # opened, then a damaged page: an error too, as an unopenable file is
+            raise DatabaseError(sel.unread)
         choices = sel.layer(tp, batch, draft, dcp, context)
         if skipped:
             sel.warnings.insert(0, skipped)

@@ -137,6 +137,7 @@ class Selector:
         self.spec = spec
         self.model = model
         self.warnings: list[str] = []
+        self.unread: str | None = None  # why the database named or found could not be read (heuristic defaults)
         self._tables: dict[str, dict[tuple, Choice]] = {}
         self._kind: dict[str, int] = {name: _KIND_CODE[o.kind] for name, o in plans.OPS.items()}
         self._tb = [None] + [specs.bucket(m, spec.token_buckets) for m in range(1, MAX_BATCH * (1 + MAX_DRAFT) + 1)]
@@ -226,15 +227,17 @@ class Selector:
         try:
             db, note = open_for_serving(path)
         except DatabaseError as e:
-            self._warn(f"cannot use tuning database: {e}; serving heuristic defaults")
+            self.unread = f"cannot use tuning database: {e}"
+            self._warn(f"{self.unread}; serving heuristic defaults")
             return
         if note:
             self._warn(note)
         label = Backend.simulated if fp.simulated else Backend.measured
         try:
-            hw_rows, rows = read_winners(db, fp.class_key, label)
-        except SQLAlchemyError as e:
-            self._warn(f"cannot read tuning database: {str(e).splitlines()[0]}; serving heuristic defaults")
+            hw_rows, rows, unreadable = read_winners(db, fp.class_key, label)
+        except SQLAlchemyError as e:  # a damaged page the opening read did not reach
+            self.unread = f"cannot read tuning database {db.name}: {str(getattr(e, 'orig', None) or e).splitlines()[0]}"
+            self._warn(f"{self.unread}; serving heuristic defaults")
             return
         finally:
             db.dispose()
@@ -273,6 +276,9 @@ class Selector:
                        "marked to be decided again): re-tune; defaults serve them")
         if refused:
             self._warn(f"{path}: refused {refused} winners whose parameters fall outside the declared space")
+        if unreadable:
+            self._warn(f"{path}: left out {unreadable} winners whose stored problem or parameters cannot be read "
+                       f"(`k3tune db verify {path}` lists them); defaults serve them")
 
     def _choose(self, problem: plans.Problem) -> Choice:
         tuned = self._winners.get(problem.op, {})

@@ -565,7 +565,7 @@ def _tune_collectives(problems: list[plans.Problem], pids: dict, opt: SweepOptio
                                         family=fam.name, family_digest=fam.digest, params=params[p][win],
                                         median_us=outs[win].median_us, spread_us=outs[win].spread_us,
                                         default_us=outs[default].median_us if outs[default].status == "ok" else None,
-                                        ties=0, trials=len(outs), run_id=run_id, origin="",
+                                        ties=[], trials=len(outs), run_id=run_id, origin="",
                                         method=method_digest("collective"))
                 records.finish_claim(s, hw_id, label, pid, digests[p.op])
 

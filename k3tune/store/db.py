@@ -7,6 +7,7 @@ on the busy timeout instead of failing on a lock upgrade. Every SQLAlchemy error
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -223,19 +224,30 @@ class Database:
         self.dispose()
 
     def _make_engine(self) -> Engine:
+        name = self.name
         try:
             if self.path is None:
                 # a server that takes the connection and never answers hung every command: libpq waits forever
                 # unless told (a connect_timeout in the URL's query wins)
-                return create_engine(self.url, pool_pre_ping=True, pool_size=2, max_overflow=4,
-                                     connect_args={} if "connect_timeout=" in self.url
-                                     else {"connect_timeout": CONNECT_TIMEOUT_S})
-            url = self.url
-            if self.readonly:
-                url = f"sqlite:///file:{self.path}?mode=ro&uri=true"
-            engine = create_engine(url, connect_args={"timeout": BUSY_TIMEOUT_S, "check_same_thread": False})
+                engine = create_engine(self.url, pool_pre_ping=True, pool_size=2, max_overflow=4,
+                                       connect_args={} if "connect_timeout=" in self.url
+                                       else {"connect_timeout": CONNECT_TIMEOUT_S})
+            else:
+                url = self.url
+                if self.readonly:
+                    url = f"sqlite:///file:{self.path}?mode=ro&uri=true"
+                engine = create_engine(url, connect_args={"timeout": BUSY_TIMEOUT_S, "check_same_thread": False},
+                                       json_deserializer=_json_reader(name))
         except (SQLAlchemyError, ImportError) as e:
-            raise DatabaseError(f"cannot open database {self.name}: {e}") from None
+            raise DatabaseError(f"cannot open database {name}: {e}") from None
+
+        @event.listens_for(engine, "handle_error")
+        def _on_error(ctx):  # a copy or a merge reads one database inside the other's session: name the one that failed
+            if ctx.sqlalchemy_exception is not None:
+                ctx.sqlalchemy_exception.k3tune_db = name
+
+        if self.path is None:
+            return engine
         readonly = self.readonly
 
         @event.listens_for(engine, "connect")
@@ -340,7 +352,8 @@ class Database:
             # a server's disconnects, and its refusals while it restarts or fails over, are operational errors
             transient = not self.is_sqlite and (isinstance(e, OperationalError)
                                                 or getattr(e, "connection_invalidated", False))
-            raise DatabaseError(f"database error on {self.name}: {_short(e)}", transient=transient) from None
+            raise DatabaseError(f"database error on {getattr(e, 'k3tune_db', self.name)}: {_short(e)}",
+                                transient=transient) from None
         finally:
             s.close()
             _SESSIONS[0] -= main
@@ -378,6 +391,18 @@ class Database:
 
     def dispose(self) -> None:
         self.engine.dispose()
+
+
+def _json_reader(name: str) -> Callable[[str], object]:
+    """SQLite's JSON cells, decoded. One that is not JSON (a hand edit, a damaged page the integrity check passed) is
+    a one-line DatabaseError naming the database: it was a JSONDecodeError traceback from inside SQLAlchemy."""
+    def loads(raw: str) -> object:
+        try:
+            return json.loads(raw)
+        except ValueError:
+            raise DatabaseError(f"{name}: a stored JSON value cannot be read ({str(raw)[:40]!r}): the database was "
+                                f"edited or damaged; `k3tune db verify {name}` lists the rows") from None
+    return loads
 
 
 def _short(e: Exception) -> str:

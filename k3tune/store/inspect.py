@@ -7,7 +7,7 @@ import shlex
 from collections import Counter
 from dataclasses import dataclass, field
 
-from sqlalchemy import func, select
+from sqlalchemy import func, select, text
 
 from k3tune.errors import CannotImplement, ConfigError
 from k3tune.kernels import families_for, family, op_digest
@@ -16,6 +16,11 @@ from k3tune.store.db import Database, head_revision
 from k3tune.store.models import Hardware, ProblemRow, Run, Trial, Winner
 
 BACKEND_OF = {"measured": "gpu", "simulated": "simulated", "cpu": "cpu"}
+# the JSON cells (table, column, the JSON types it may hold; None: any, it is only copied): a SQLite file does not
+# check them on write, so a hand edit or a damaged page can leave one that no command can read. (The shipped H200
+# table's collective winners hold ties 0, not [], as the driver wrote them before session 70: readable, kept.)
+JSON_CELLS = (("problems", "dims", ("object",)), ("winners", "params", ("object",)), ("winners", "ties", None),
+              ("trials", "params", ("object",)))
 REGRESSION_FLOOR = 0.03  # slower by more than this fraction (and the spreads) counts as a regression
 
 
@@ -55,6 +60,7 @@ class Verification:
     swept_specs: list[str] = field(default_factory=list)  # the spec digests the database's runs were swept with
     # digest -> the --spec its first run named (from the run's command): names a spec whose digest no file has now
     swept_spec_args: dict[str, str] = field(default_factory=dict)
+    unreadable: dict[str, list[int]] = field(default_factory=dict)  # "table.column" -> ids of its unreadable cells
 
     @property
     def readable(self) -> bool:
@@ -64,13 +70,15 @@ class Verification:
     @property
     def ok(self) -> bool:
         full = all(c["covered"] == c["total"] for c in self.coverage.values())
-        return self.readable and self.schema_ok and not self.stale and not self.out_of_space and full
+        return (self.readable and self.schema_ok and not self.stale and not self.out_of_space and full
+                and not self.unreadable)
 
     def as_dict(self) -> dict:
         return {"ok": self.ok, "integrity": self.integrity, "schema": self.schema, "schema_ok": self.schema_ok,
                 "winners": self.winners, "stale": self.stale, "stale_by_op": self.stale_by_op,
                 "out_of_space": self.out_of_space,
-                "coverage": self.coverage, "swept_specs": self.swept_specs, "swept_spec_args": self.swept_spec_args}
+                "coverage": self.coverage, "swept_specs": self.swept_specs, "swept_spec_args": self.swept_spec_args,
+                "unreadable": self.unreadable}
 
 
 def _spec_arg(command: str | None) -> str | None:
@@ -96,9 +104,14 @@ def verify(db: Database, plan: plans.Plan | None = None) -> Verification:
     v = Verification(integrity, rev, rev == head_revision())
     if not v.schema_ok:
         return v
-    with db.session() as s:
+    v.unreadable = unreadable_json(db)
+    bad_problems, bad_winners = v.unreadable.get("problems.dims", []), []
+    for cell in ("winners.params", "winners.ties"):
+        bad_winners += v.unreadable.get(cell, [])
+    with db.session() as s:  # the rest is verified as usual
         rows = s.execute(select(Winner, ProblemRow, Hardware).join(ProblemRow, ProblemRow.id == Winner.problem_id)
-                         .join(Hardware, Hardware.id == Winner.hardware_id)).all()
+                         .join(Hardware, Hardware.id == Winner.hardware_id)
+                         .where(Winner.id.not_in(bad_winners), ProblemRow.id.not_in(bad_problems))).all()
         runs = s.execute(select(Run.spec_digest, Run.command).order_by(Run.id)).all()
     v.swept_specs = sorted({d for d, _ in runs})
     for digest, command in runs:
@@ -127,6 +140,25 @@ def verify(db: Database, plan: plans.Plan | None = None) -> Verification:
         if not have:
             v.coverage["(none)"] = {"covered": 0, "total": len(plan.problems), "missing": [p.key for p in plan.problems[:20]]}
     return v
+
+
+def unreadable_json(db: Database) -> dict[str, list[int]]:
+    """The rows whose JSON cells no command can read (not JSON, or not the JSON type the column holds), by
+    "table.column". Only a SQLite file can hold one: PostgreSQL checks JSON when it is written."""
+    if not db.is_sqlite:
+        return {}
+    found = {}
+    with db.engine.connect() as conn:
+        for table, col, kinds in JSON_CELLS:
+            # json_type of text that is not JSON is an error: asked only of valid cells
+            bad = (f"NOT json_valid({col})" if kinds is None else
+                   f"CASE WHEN json_valid({col}) THEN json_type({col}) ELSE 'invalid' END NOT IN "
+                   f"({', '.join(repr(k) for k in kinds)})")
+            ids = conn.execute(text(f"SELECT id FROM {table} WHERE {col} IS NOT NULL AND {bad} ORDER BY id")
+                               ).scalars().all()
+            if ids:
+                found[f"{table}.{col}"] = list(ids)
+    return found
 
 
 def _winner_map(db: Database) -> dict[tuple, dict]:

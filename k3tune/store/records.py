@@ -263,22 +263,28 @@ def remaining(session: Session, hw_id: int, backend: Backend, wanted: dict[int, 
     return n
 
 
-def read_winners(db, class_key: str, backend: Backend) -> tuple[list, list]:
-    """Serving-path read of one hardware class's winners: (hardware rows, winner rows).
+def read_winners(db, class_key: str, backend: Backend) -> tuple[list, list, int]:
+    """Serving-path read of one hardware class's winners: (hardware rows, winner rows, rows left out).
 
     Raw driver SQL, no statement compilation or ORM result processing: this runs at every server start.
     Winner rows are (op, problem key, dims, op digest, family, params, median us); JSON columns come back
-    as text on SQLite and decoded on PostgreSQL, and are returned decoded."""
+    as text on SQLite and decoded on PostgreSQL, and are returned decoded. A row whose dims or params are not a
+    JSON object (a hand edit, a damaged page) is left out and counted: it raised out of the server's start."""
     with db.engine.connect() as conn:
         hw = conn.exec_driver_sql("SELECT id, class_key, driver, cuda FROM hardware").all()
         ids = [int(r[0]) for r in hw if r[1] == class_key]
         if not ids:
-            return hw, []
+            return hw, [], 0
         rows = conn.exec_driver_sql(
             "SELECT p.op, p.key, p.dims, w.op_digest, w.family, w.params, w.median_us FROM winners w "
             "JOIN problems p ON p.id = w.problem_id "
             f"WHERE w.backend = '{Backend(backend).value}' AND w.hardware_id IN ({', '.join(map(str, ids))})").all()
-    loads = json.loads
-    return hw, [(op, key, loads(dims) if isinstance(dims, str) else dims, dg, fam,
-                 loads(params) if isinstance(params, str) else params, med)
-                for op, key, dims, dg, fam, params, med in rows]
+    out = []
+    for op, key, dims, dg, fam, params, med in rows:
+        try:
+            dims, params = (json.loads(v) if isinstance(v, str) else v for v in (dims, params))
+        except ValueError:
+            continue
+        if isinstance(dims, dict) and isinstance(params, dict):
+            out.append((op, key, dims, dg, fam, params, med))
+    return hw, out, len(rows) - len(out)
