@@ -148,7 +148,7 @@ def unreadable_json(db: Database) -> dict[str, list[int]]:
     if not db.is_sqlite:
         return {}
     found = {}
-    with db.engine.connect() as conn:
+    with db.session() as conn:  # an error here (a damaged page) is a DatabaseError: verify's verdict
         for table, col, kinds in JSON_CELLS:
             # json_type of text that is not JSON is an error: asked only of valid cells
             bad = (f"NOT json_valid({col})" if kinds is None else
