@@ -294,6 +294,22 @@ def test_a_damaged_page_is_an_error_naming_the_damaged_file(tmp_path, capsys):
         assert len(err.strip().splitlines()) == 1
     assert not (tmp_path / "e.sqlite").exists()
     assert (tmp_path / "m.sqlite").read_bytes() == Path(merged).read_bytes()
+    # --hardware reads the hardware rows first: a damaged page there was a warning and exit 0 as well
+    from k3tune.runtime import Selector
+    from k3tune.shipped import tuning_db_dir
+
+    h200 = Path(shutil.copy(tuning_db_dir() / "h200.sqlite", tmp_path / "h.sqlite"))
+    with closing(sqlite3.connect(h200)) as c:
+        size = c.execute("PRAGMA page_size").fetchone()[0]
+        root = c.execute("SELECT rootpage FROM sqlite_master WHERE name = 'hardware'").fetchone()[0]
+    data = bytearray(h200.read_bytes())
+    data[(root - 1) * size:root * size] = b"\xff" * size
+    h200.write_bytes(bytes(data))
+    assert main(["lookup", "--tp", "8", "--batch", "1", "--hardware", "h200", "--db", str(h200)]) == 4
+    err = capsys.readouterr().err
+    assert f"cannot use tuning database: database error on {h200}: database disk image is malformed" in err, err
+    sel = Selector.load(h200, measured_on="h200")  # serving: a warning and the defaults, never an exception
+    assert sel.unread and "malformed" in sel.unread and sel.warnings == [f"{sel.unread}; serving heuristic defaults"]
 
 
 def test_unreadable_json_cells_are_listed_by_verify_and_one_line_elsewhere(tmp_path, capsys):

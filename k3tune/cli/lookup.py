@@ -34,7 +34,10 @@ def _local_db(simulate: str | None, hardware: str | None) -> tuple[str | None, s
         if not found:  # no GPU and no --hardware: nothing is served from a shipped table either
             return str(LOCAL_DB), None
         name = found[0].name
-    found, why = measured_fingerprint(str(LOCAL_DB), name)
+    try:
+        found, why = measured_fingerprint(str(LOCAL_DB), name)
+    except DatabaseError as e:
+        found, why = None, f"cannot use tuning database: {str(e).splitlines()[0]}"
     if found is not None:
         return str(LOCAL_DB), None
     return None, f"./{LOCAL_DB} not used ({why}); --db {LOCAL_DB} uses it"

@@ -78,16 +78,13 @@ def _shipped_db(key: str) -> Path | None:
 
 def measured_fingerprint(db, name: str) -> tuple[Fingerprint | None, str]:
     """The fingerprint of the first measured (not simulated) hardware in db whose name contains ``name``; where
-    there is none, why."""
+    there is none, why. A database that cannot be opened or read raises DatabaseError."""
+    d, _ = open_for_serving(db)  # an older schema's note is given when its winners are read
     try:
-        d, _ = open_for_serving(db)  # an older schema's note is given when its winners are read
-        try:
-            with d.session() as s:
-                h = s.scalars(select(Hardware).where(Hardware.simulated.is_(False), Hardware.name.contains(name))).first()
-        finally:
-            d.dispose()
-    except (DatabaseError, SQLAlchemyError) as e:
-        return None, f"cannot use tuning database: {str(e).splitlines()[0]}"
+        with d.session() as s:
+            h = s.scalars(select(Hardware).where(Hardware.simulated.is_(False), Hardware.name.contains(name))).first()
+    finally:
+        d.dispose()
     if h is None:
         return None, f"{d.name}: no measured winners of {name}"
     return Fingerprint(h.name, h.compute_capability, h.sm_count, h.memory_gib, h.driver, h.cuda, False), ""
@@ -174,13 +171,16 @@ class Selector:
         gc_was_on = gc.isenabled()
         gc.disable()  # thousands of small objects, none cyclic: collections would only cost time
         try:
-            unserved = None  # why measured_on's winners cannot be served
+            unserved = unread = None  # why measured_on's winners cannot be served; why its database cannot be read
             if measured_on:
                 hw = hardware.spec(measured_on)
                 if db is None:  # the shipped one for that GPU
                     db = settings.load().serve_db or _shipped_db(hw.key)
-                found, unserved = measured_fingerprint(db, hw.name) if db is not None else \
-                    (None, f"no tuning database for {hw.name}")
+                try:
+                    found, unserved = measured_fingerprint(db, hw.name) if db is not None else \
+                        (None, f"no tuning database for {hw.name}")
+                except DatabaseError as e:
+                    found, unserved = None, (unread := f"cannot use tuning database: {str(e).splitlines()[0]}")
                 fingerprint = found or fingerprint
             if not routing and (routing := settings.load().routing):
                 # named as the environment's: "unknown routing 'bogus'" alone left a service's operator guessing
@@ -190,14 +190,16 @@ class Selector:
                     raise ConfigError(f"K3TUNE_ROUTING={routing}: {e}") from None
             if routing:
                 spec = dataclasses.replace(spec or specs.load(), routing=routing)
-            return cls._load(db, fingerprint, simulated, spec, model, unserved)
+            return cls._load(db, fingerprint, simulated, spec, model, unserved, unread)
         finally:
             if gc_was_on:
                 gc.enable()
 
     @classmethod
-    def _load(cls, db, fingerprint, simulated, spec, model, unserved: str | None = None) -> Selector:
+    def _load(cls, db, fingerprint, simulated, spec, model, unserved: str | None = None,
+              unread: str | None = None) -> Selector:
         sel = cls(spec or specs.load(), model or models.load())
+        sel.unread = unread
         if simulated:
             fp = hardware.simulated_fingerprint(hardware.spec(simulated))
         elif unserved and fingerprint is None:  # the hardware asked for is not in db: never another GPU's winners
