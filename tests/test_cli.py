@@ -270,19 +270,24 @@ def test_verify_reports_a_truncated_database(tmp_path, capsys):
     assert "schema not read" in text and "upgrade" not in text  # not a case for `k3tune db upgrade`
 
 
+def _damage_table(path: Path, table: str) -> Path:
+    """Overwrite a table's root page with 0xff: a damaged page that opening the database does not read."""
+    import sqlite3
+
+    with closing(sqlite3.connect(path)) as c:
+        size = c.execute("PRAGMA page_size").fetchone()[0]
+        root = c.execute("SELECT rootpage FROM sqlite_master WHERE name = ?", (table,)).fetchone()[0]
+    data = bytearray(path.read_bytes())
+    data[(root - 1) * size:root * size] = b"\xff" * size
+    path.write_bytes(bytes(data))
+    return path
+
+
 def test_a_damaged_page_is_an_error_naming_the_damaged_file(tmp_path, capsys):
     """A page the opening reads do not reach (the winners table's): `lookup --db` served heuristic defaults with exit 0
     behind a warning that named no file, and `db export` / `db merge` named their own temporary file, not the source
     that failed. Each is a one-line error naming the source now, exit 4, and nothing is written."""
-    import sqlite3
-
-    db = _smoke_db(tmp_path / "s.sqlite", capsys)
-    with closing(sqlite3.connect(db)) as c:
-        size = c.execute("PRAGMA page_size").fetchone()[0]
-        root = c.execute("SELECT rootpage FROM sqlite_master WHERE name = 'winners'").fetchone()[0]
-    data = bytearray(db.read_bytes())
-    data[(root - 1) * size:root * size] = b"\xff" * size
-    db.write_bytes(bytes(data))
+    db = _damage_table(_smoke_db(tmp_path / "s.sqlite", capsys), "winners")
     assert main(["lookup", "--tp", "8", "--batch", "1", "--simulate", "gb300", "--db", str(db)]) == 4
     err = capsys.readouterr().err
     assert f"cannot read tuning database {db}: database disk image is malformed" in err, err
@@ -298,13 +303,7 @@ def test_a_damaged_page_is_an_error_naming_the_damaged_file(tmp_path, capsys):
     from k3tune.runtime import Selector
     from k3tune.shipped import tuning_db_dir
 
-    h200 = Path(shutil.copy(tuning_db_dir() / "h200.sqlite", tmp_path / "h.sqlite"))
-    with closing(sqlite3.connect(h200)) as c:
-        size = c.execute("PRAGMA page_size").fetchone()[0]
-        root = c.execute("SELECT rootpage FROM sqlite_master WHERE name = 'hardware'").fetchone()[0]
-    data = bytearray(h200.read_bytes())
-    data[(root - 1) * size:root * size] = b"\xff" * size
-    h200.write_bytes(bytes(data))
+    h200 = _damage_table(Path(shutil.copy(tuning_db_dir() / "h200.sqlite", tmp_path / "h.sqlite")), "hardware")
     assert main(["lookup", "--tp", "8", "--batch", "1", "--hardware", "h200", "--db", str(h200)]) == 4
     err = capsys.readouterr().err
     assert f"cannot use tuning database: database error on {h200}: database disk image is malformed" in err, err
