@@ -236,6 +236,13 @@ def test_shipped_tuning_db_is_read_only(capsys):
     assert main(["sweep", "--simulate", "gb300", "--spec", "smoke", "--db", str(tuning_db_dir() / "x.sqlite")]) == 2
     assert "read-only shipped data" in capsys.readouterr().err
     assert not (tuning_db_dir() / "x.sqlite").exists()
+    # `db redo` marked the shipped table's winners stale in place (and left it in WAL mode): a server on this install
+    # then served heuristic defaults for them
+    shipped = tuning_db_dir() / "h200.sqlite"
+    before = shipped.read_bytes()
+    assert main(["db", "redo", str(shipped), "moe.block[tp=8,M=1,%"]) == 2
+    assert "read-only shipped data; redo on a copy of it" in capsys.readouterr().err
+    assert shipped.read_bytes() == before and not list(tuning_db_dir().glob("*-wal"))
 
 
 def test_debug_shows_traceback(monkeypatch):

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.console import Console
 
 from k3tune import settings
-from k3tune.errors import DatabaseError
+from k3tune.errors import ConfigError, DatabaseError
+from k3tune.shipped import tuning_db_dir
 from k3tune.store import db as store_db
 
 
@@ -43,6 +45,12 @@ def require_db(db: str) -> str:
     if path is not None and not path.exists():
         raise DatabaseError(f"database not found: {path}")
     return db
+
+
+def refuse_shipped(target: str, instead: str) -> None:
+    """A command that writes a database in place refuses the shipped tables: what a server on this install reads."""
+    if "://" not in target and Path(target).resolve().parent == tuning_db_dir().resolve():
+        raise ConfigError(f"{target}: tuning_db/ is read-only shipped data; {instead}")
 
 
 def print_json(obj) -> None:

@@ -8,7 +8,8 @@ import typer
 from rich.markup import escape
 from rich.table import Column, Table
 
-from k3tune.cli.common import ConfigOption, JsonOption, SpecOption, console, db_target, print_json, require_db
+from k3tune.cli.common import (ConfigOption, JsonOption, SpecOption, console, db_target, print_json, refuse_shipped,
+                               require_db)
 from k3tune.errors import ConfigError, DatabaseError
 from k3tune.plan import model as models, problems as plans, spec as specs
 from k3tune.store import db as store_db
@@ -200,6 +201,8 @@ def redo(db: Annotated[str, typer.Argument(help="Database whose problems to deci
 
     Example: k3tune db redo k3tune.sqlite 'moe.block[tp=16,%format=mxfp4%'
     """
+    # in place, the shipped table's marked winners went stale: a server on this install served defaults for them
+    refuse_shipped(db, f"redo on a copy of it (cp {db} /tmp/), which a sweep then decides and `k3tune db export`s")
     n = redos.redo(_open(db), patterns, _open(seeds_from, readonly=True) if seeds_from else None)
     if json:
         print_json({"stale_winners": n})

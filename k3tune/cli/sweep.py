@@ -14,12 +14,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from k3tune import settings
 from k3tune.cli.common import (ConfigOption, DbOption, JsonOption, SpecOption, console, db_target, err_console,
-                               print_json)
+                               print_json, refuse_shipped)
 from k3tune.errors import ConfigError, HardwareError
 from k3tune.plan import hardware, model as models, problems, spec as specs
 from k3tune.search.compile_farm import usable_cores
 from k3tune.search.driver import SweepOptions, SweepStats, check_before_database, run_sweep
-from k3tune.shipped import tuning_db_dir
 from k3tune.store.db import interrupts_between_sessions, open_db
 
 
@@ -106,9 +105,7 @@ def sweep(
                           f"not {lease}")
     check_before_database(sp, plan.problems, backend)
     target = db_target(db)
-    if "://" not in target and Path(target).resolve().parent == tuning_db_dir().resolve():
-        raise ConfigError(f"{target}: tuning_db/ is read-only shipped data; sweep into another database and "
-                          "`k3tune db export` it there")
+    refuse_shipped(target, "sweep into another database and `k3tune db export` it there")
     if warm_from and "://" not in target and not Path(target).exists():  # else an empty file is left behind
         raise ConfigError(f"--warm-from {warm_from}: {target} does not exist; it seeds from another GPU's winners in "
                           "the database swept into (e.g. a copy of tuning_db/h200.sqlite)")
