@@ -273,7 +273,7 @@ def _count(db_path):
 
 def test_kill_9_mid_sweep_then_resume(tmp_path):
     """kill -9 of the whole sweep (parent and workers) loses at most the trials in flight; running it again
-    completes every problem with no duplicate and keeps every committed trial."""
+    completes every problem with no duplicate and keeps every committed trial, and marks the killed run 'died'."""
     db_path = tmp_path / "k.sqlite"
     cmd = [sys.executable, "-m", "k3tune", "sweep", "--gpus", "4", "--simulate", "gb300", "--spec", "default",
            "--db", str(db_path), "--json"]
@@ -300,9 +300,11 @@ def test_kill_9_mid_sweep_then_resume(tmp_path):
         states = dict(c.execute("select state, count(*) from claims group by state").fetchall())
         searched = c.execute("select count(*) from claims where op_digest not like 'polish:%'").fetchone()[0]
         winners = c.execute("select count(*) from winners").fetchone()[0]
+        runs = c.execute("select status from runs order by id").fetchall()
     assert before <= after  # nothing committed was lost or changed
     assert dups == 0
     assert set(states) == {"done"} and searched == winners == 1124  # polish passes have claims of their own
+    assert runs == [("died",), ("done",)]  # the killed run was 'running' for ever (db show)
 
 
 def _live_members(pgid: int) -> list[int]:

@@ -323,6 +323,7 @@ def _run_phase(opt: SweepOptions, plan: plans.Plan, t_start: float) -> SweepStat
         with opt.db.session() as s:
             records.plan_claims(s, hw_id, label, wanted)
             records.release_dead_local_claims(s, hw_id, label)
+            records.end_dead_local_runs(s)
             stats.problems_total = len(wanted)
             stats.problems_done_before = len(wanted) - records.remaining(s, hw_id, label, wanted)
     except BaseException as e:

@@ -197,6 +197,18 @@ def release_dead_local_claims(session: Session, hw_id: int, backend: Backend) ->
     return len(dead)
 
 
+def end_dead_local_runs(session: Session) -> int:
+    """Runs of this host still 'running' whose process no longer exists (killed -9, or ended by a full disk before it
+    could record its end) are marked 'died': `db show` listed them as running for ever."""
+    host = socket.gethostname()
+    rows = session.execute(select(Run.id, Run.owner).where(Run.status == "running", Run.host == host,
+                                                           Run.owner.like(f"{host}:%"))).all()
+    dead = [rid for rid, owner in rows if not _pid_alive(int(owner.split(":")[1]))]
+    if dead:
+        session.execute(update(Run).where(Run.id.in_(dead)).values(status="died"))
+    return len(dead)
+
+
 def _by_digest(wanted: dict[int, str]) -> list[tuple[str, list[int]]]:
     groups: dict[str, list[int]] = {}
     for pid, d in wanted.items():
