@@ -75,6 +75,30 @@ def test_selector_serves_from_postgres(pg_url):
     assert c.source == "simulated" and c.median_us > 0 and not sel.warnings
 
 
+def test_json_cells_of_the_wrong_type_on_postgres_are_listed_and_left_out(pg_url):
+    """PostgreSQL checks that a JSON cell is JSON, not that it is the object a winner's params or a problem's dims
+    must be: verify lists such rows (it read none: the check was SQLite's alone), serving leaves them out."""
+    from sqlalchemy import text
+
+    from k3tune.runtime import Selector
+    from k3tune.store.inspect import verify
+
+    db = store_db.open_db(pg_url)
+    run_sweep(SweepOptions(spec.load("smoke"), model.load(), db, "simulated", 2, hw=hardware.spec("gb300")))
+    with db.session() as s:
+        w1, w2 = s.scalars(select(Winner.id).order_by(Winner.id).limit(2)).all()
+        p2 = s.scalar(select(Winner.problem_id).where(Winner.id == w2))
+        total = s.scalar(select(func.count()).select_from(Winner))
+        s.execute(text("UPDATE winners SET params = '[1, 2]' WHERE id = :i"), {"i": w1})
+        s.execute(text("UPDATE problems SET dims = '\"x\"' WHERE id = :i"), {"i": p2})
+    v = verify(db)
+    assert v.unreadable == {"winners.params": [w1], "problems.dims": [p2]} and not v.ok
+    assert v.winners == total - 2
+    sel = Selector.load(pg_url, simulated="gb300")
+    assert any("left out 2 winners" in w for w in sel.warnings), sel.warnings
+    assert sum(len(t) for t in sel._winners.values()) == total - 2
+
+
 def test_a_postgres_password_is_never_recorded_or_shown(pg_url, tmp_path):
     """A shared sweep's URL may carry a password: the sweep records its command line in the run, an export or merge
     records the source in every copied winner's origin and copies the runs, and `db show` names the database. None

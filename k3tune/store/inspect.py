@@ -143,17 +143,20 @@ def verify(db: Database, plan: plans.Plan | None = None) -> Verification:
 
 
 def unreadable_json(db: Database) -> dict[str, list[int]]:
-    """The rows whose JSON cells no command can read (not JSON, or not the JSON type the column holds), by
-    "table.column". Only a SQLite file can hold one: PostgreSQL checks JSON when it is written."""
-    if not db.is_sqlite:
-        return {}
+    """The rows whose JSON cells no command can read, by "table.column": not JSON (SQLite checks no JSON on write),
+    or not the JSON type the column holds (on PostgreSQL too, which checks only that it is JSON)."""
     found = {}
     with db.session() as conn:  # an error here (a damaged page) is a DatabaseError: verify's verdict
         for table, col, kinds in JSON_CELLS:
-            # json_type of text that is not JSON is an error: asked only of valid cells
-            bad = (f"NOT json_valid({col})" if kinds is None else
-                   f"CASE WHEN json_valid({col}) THEN json_type({col}) ELSE 'invalid' END NOT IN "
-                   f"({', '.join(repr(k) for k in kinds)})")
+            if not db.is_sqlite and kinds is None:
+                continue
+            allowed = ", ".join(f"'{k}'" for k in kinds or ())
+            if not db.is_sqlite:
+                bad = f"json_typeof({col}) NOT IN ({allowed})"
+            elif kinds is None:
+                bad = f"NOT json_valid({col})"
+            else:  # json_type of text that is not JSON is an error: asked only of valid cells
+                bad = f"CASE WHEN json_valid({col}) THEN json_type({col}) ELSE 'invalid' END NOT IN ({allowed})"
             ids = conn.execute(text(f"SELECT id FROM {table} WHERE {col} IS NOT NULL AND {bad} ORDER BY id")
                                ).scalars().all()
             if ids:
