@@ -27,20 +27,26 @@ class Settings:
         return self.db or str(Path.cwd() / "k3tune.sqlite")
 
 
+def _text(name: str) -> str | None:
+    """A path, URL or name from the environment without the spaces or newline around it (a value read from a file or
+    a config map keeps its newline: K3TUNE_HARDWARE was then an unknown hardware), or None where unset or blank."""
+    return os.environ.get(name, "").strip() or None
+
+
 def _flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
 
 
 def load() -> Settings:
     return Settings(
-        db=os.environ.get("K3TUNE_DB") or None,
+        db=_text("K3TUNE_DB"),
         debug=_flag("K3TUNE_DEBUG"),
-        hardware=os.environ.get("K3TUNE_HARDWARE") or None,
+        hardware=_text("K3TUNE_HARDWARE"),
         ci=_flag("CI"),
-        routing=os.environ.get("K3TUNE_ROUTING") or None,
+        routing=_text("K3TUNE_ROUTING"),
         extra_families=tuple(filter(None, (n.strip() for n in os.environ.get("K3TUNE_EXTRA_FAMILIES", "").split(",")))),
-        serve_db=os.environ.get("K3TUNE_SERVE_DB") or None,
-        kernel_cache=_kernel_cache(os.environ.get("K3TUNE_KERNEL_CACHE", "")),
+        serve_db=_text("K3TUNE_SERVE_DB"),
+        kernel_cache=_kernel_cache(_text("K3TUNE_KERNEL_CACHE") or ""),
     )
 
 

@@ -105,6 +105,10 @@ def test_a_bare_simulate_means_the_detected_or_configured_hardware(tmp_path, cap
     db = str(tmp_path / "a.sqlite")
     assert main(["sweep", "--spec", "smoke", "--db", db, "--json", "--simulate"]) == 0
     assert json.loads(capsys.readouterr().out)["backend"] == "simulated h100"
+    # lookup too: it was "unknown hardware 'auto'" (exit 3)
+    assert main(["lookup", "--tp", "8", "--batch", "1", "--spec", "smoke", "--db", db, "--json", "--simulate"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert {o["op"]: o["source"] for o in out["ops"]}["kda.qkvg_proj"] == "simulated", out  # the smoke spec's ops
     monkeypatch.setenv("K3TUNE_HARDWARE", "h2OO")  # was "unknown hardware 'h2OO'", as if the command line said it
     assert main(["sweep", "--simulate", "--spec", "smoke", "--db", db]) == 3
     assert "error: K3TUNE_HARDWARE=h2OO: unknown hardware 'h2OO'" in capsys.readouterr().err

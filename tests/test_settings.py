@@ -30,3 +30,17 @@ def test_database_default_is_the_working_directory(monkeypatch, tmp_path):
     assert settings.load().default_db == str(tmp_path / "k3tune.sqlite")
     monkeypatch.setenv("K3TUNE_DB", "postgresql://u@h/k")
     assert settings.load().default_db == "postgresql://u@h/k"
+
+
+def test_names_paths_and_urls_lose_the_spaces_and_newline_around_them(monkeypatch, tmp_path):
+    """A value read from a file or a config map keeps its newline: K3TUNE_HARDWARE='h200\\n' was an unknown hardware,
+    K3TUNE_DB='/x/k.sqlite\\n' a database not found; a blank one is unset."""
+    for var, value in (("K3TUNE_DB", "/x/k.sqlite"), ("K3TUNE_HARDWARE", "h200"), ("K3TUNE_ROUTING", "zipf:1.2"),
+                       ("K3TUNE_SERVE_DB", "postgresql://u@h/k")):
+        monkeypatch.setenv(var, f" {value}\n")
+    monkeypatch.setenv("K3TUNE_KERNEL_CACHE", f"{tmp_path}\n")
+    s = settings.load()
+    assert (s.db, s.hardware, s.routing, s.serve_db) == ("/x/k.sqlite", "h200", "zipf:1.2", "postgresql://u@h/k")
+    assert s.kernel_cache == tmp_path
+    monkeypatch.setenv("K3TUNE_HARDWARE", "  \n")
+    assert settings.load().hardware is None

@@ -52,7 +52,8 @@ def lookup(
     db: Annotated[str | None, typer.Option("--db", help="Tuning database (default: $K3TUNE_DB, else ./k3tune.sqlite where "
                                                          "it holds the served hardware's winners, else the shipped one "
                                                          "for the GPU).")] = None,
-    simulate: Annotated[str | None, typer.Option("--simulate", help="Serve the simulated winners of this hardware (e.g. gb300).")] = None,
+    simulate: Annotated[str | None, typer.Option("--simulate", help="Serve the simulated winners of this hardware (e.g. gb300; "
+                                                 "bare --simulate: the detected or configured hardware).")] = None,
     hardware: Annotated[str | None, typer.Option("--hardware", help="Serve the measured winners of this GPU (e.g. h200) from --db, "
                                                  "else from the database shipped for it: to inspect one on another machine.")] = None,
     spec: SpecOption = None,
@@ -66,6 +67,8 @@ def lookup(
       k3tune lookup --tp 16 --batch 1 --db tuning_db/h200.sqlite --hardware h200
     """
     specs.validate_deployment_values(tp, batch, dcp, draft)
+    if simulate is not None:  # a bare --simulate ('auto') is the detected or configured hardware, as for the sweep
+        simulate = hw.resolve_simulated(simulate, settings.load().hardware).key
     sp = specs.load(spec)
     db = db or settings.load().db  # named (--db or $K3TUNE_DB): a typo, or a file that is no tuning database,
     if db is not None:  # must not serve heuristic defaults behind a warning; an older schema is served (with a note)
