@@ -65,6 +65,37 @@ def test_expired_claims_of_a_crashed_machine_are_taken_over(pg_url):
         assert s.scalar(select(func.count()).select_from(Claim).where(Claim.state != "done")) == 0
 
 
+def test_leases_run_on_the_server_clock_not_each_machine_clock(pg_url, monkeypatch):
+    """A machine whose clock runs an hour ahead judged another's live claims expired by its own clock and took them
+    over (and renewed its own to look endless to the rest): leases are set and read by PostgreSQL's clock now."""
+    from datetime import datetime, timezone
+
+    from sqlalchemy import text
+
+    from k3tune.store import records
+
+    db = store_db.open_db(pg_url)
+    run_sweep(SweepOptions(spec.load("smoke"), model.load(), db, "simulated", 2, hw=hardware.spec("gb300")))
+    with db.session() as s:  # another machine holds 5 problems, its lease live for 5 more minutes
+        rows = s.execute(select(Claim.id, Claim.hardware_id, Claim.backend, Claim.problem_id, Claim.op_digest)
+                         .order_by(Claim.id).limit(5)).all()
+        server_now = s.scalar(text("SELECT CAST(now() AT TIME ZONE 'UTC' AS timestamp)"))
+        s.execute(update(Claim).where(Claim.id.in_([r.id for r in rows])).values(
+            state="claimed", owner="otherhost:1:7", expires_at=server_now + timedelta(seconds=300)))
+    ahead = datetime.now(timezone.utc).replace(tzinfo=None) + timedelta(hours=1)
+    monkeypatch.setattr(records, "utcnow", lambda: ahead)
+    hw_id, backend = rows[0].hardware_id, rows[0].backend
+    with db.session() as s:
+        got = records.claim(s, hw_id, backend, "fasthost:2:8", {r.problem_id: r.op_digest for r in rows}, 5, 300)
+    assert got == []  # was all 5
+    with db.session() as s:  # its own renewal: 5 minutes from the server's now, not an hour on
+        s.execute(update(Claim).where(Claim.id == rows[0].id).values(owner="fasthost:2:8"))
+        records.renew_claims(s, "fasthost:2:8", 300)
+    with db.session() as s:
+        expires = s.scalar(select(Claim.expires_at).where(Claim.id == rows[0].id))
+    assert timedelta(seconds=250) < expires - server_now < timedelta(seconds=400)
+
+
 def test_selector_serves_from_postgres(pg_url):
     from k3tune.runtime import Selector
 

@@ -12,11 +12,11 @@ import os
 import socket
 import subprocess
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from sqlalchemy import and_, or_, select, update
+from sqlalchemy import and_, or_, select, text, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
@@ -216,13 +216,22 @@ def _by_digest(wanted: dict[int, str]) -> list[tuple[str, list[int]]]:
     return [(d, pids[i:i + 500]) for d, pids in groups.items() for i in range(0, len(pids), 500)]
 
 
+def lease_clock(session: Session) -> datetime:
+    """Now (naive UTC) by the clock every machine sharing the database reads: PostgreSQL's. Each machine's own clock
+    decided when another's claim had expired, so one running a lease ahead of the rest took their live problems over
+    (and set leases that looked endless to them). SQLite is one machine's: its clock."""
+    if session.get_bind().dialect.name == "postgresql":
+        return session.scalar(text("SELECT CAST(now() AT TIME ZONE 'UTC' AS timestamp)"))
+    return utcnow()
+
+
 def claim(session: Session, hw_id: int, backend: Backend, owner: str, wanted: dict[int, str], n: int,
           lease_s: float, held: set[int] | None = None) -> list[int]:
     """Claim up to n pending (or expired) problems of ``wanted`` (problem id -> op digest), in its order. With
     ``held`` (the problems the owner has open), the owner's claims on any other problem are taken too: a claim
     whose commit landed while its answer was lost (the server went away) is the owner's, unknown to it, and
     renewed with the rest; taken by no one otherwise."""
-    now = utcnow()
+    now = lease_clock(session)
     got: list[tuple[int, int]] = []
     mine = [] if held is None else [and_(Claim.state == "claimed", Claim.owner == owner,
                                          Claim.problem_id.not_in(held))]
@@ -244,7 +253,7 @@ def claim(session: Session, hw_id: int, backend: Backend, owner: str, wanted: di
 
 def renew_claims(session: Session, owner: str, lease_s: float) -> None:
     session.execute(update(Claim).where(Claim.owner == owner, Claim.state == "claimed").values(
-        expires_at=utcnow() + timedelta(seconds=lease_s)))
+        expires_at=lease_clock(session) + timedelta(seconds=lease_s)))
 
 
 def finish_claim(session: Session, hw_id: int, backend: Backend, problem_id: int, op_digest: str) -> None:
