@@ -15,7 +15,7 @@ from k3tune.cli.common import ConfigOption, JsonOption, SpecOption, console, pri
 from k3tune.errors import DatabaseError
 from k3tune.plan import hardware as hw, model as models, spec as specs
 from k3tune.runtime import Selector
-from k3tune.runtime.selector import measured_fingerprint
+from k3tune.runtime.selector import measured_fingerprint, unusable
 from k3tune.store.db import open_for_serving, shown_url
 
 LOCAL_DB = Path("k3tune.sqlite")  # relative: the working directory's, as `k3tune sweep` writes it
@@ -37,7 +37,7 @@ def _local_db(simulate: str | None, hardware: str | None) -> tuple[str | None, s
     try:
         found, why = measured_fingerprint(str(LOCAL_DB), name)
     except DatabaseError as e:
-        found, why = None, f"cannot use tuning database: {str(e).splitlines()[0]}"
+        found, why = None, unusable(e)
     if found is not None:
         return str(LOCAL_DB), None
     return None, f"./{LOCAL_DB} not used ({why}); --db {LOCAL_DB} uses it"

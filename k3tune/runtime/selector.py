@@ -76,6 +76,11 @@ def _shipped_db(key: str) -> Path | None:
     return path if path.exists() else None
 
 
+def unusable(e: DatabaseError) -> str:
+    """Why a database that cannot be opened or read serves nothing, in the words every such warning uses."""
+    return f"cannot use tuning database: {str(e).splitlines()[0]}"
+
+
 def measured_fingerprint(db, name: str) -> tuple[Fingerprint | None, str]:
     """The fingerprint of the first measured (not simulated) hardware in db whose name contains ``name``; where
     there is none, why. A database that cannot be opened or read raises DatabaseError."""
@@ -180,7 +185,7 @@ class Selector:
                     found, unserved = measured_fingerprint(db, hw.name) if db is not None else \
                         (None, f"no tuning database for {hw.name}")
                 except DatabaseError as e:
-                    found, unserved = None, (unread := f"cannot use tuning database: {str(e).splitlines()[0]}")
+                    found, unserved = None, (unread := unusable(e))
                 fingerprint = found or fingerprint
             if not routing and (routing := settings.load().routing):
                 # named as the environment's: "unknown routing 'bogus'" alone left a service's operator guessing
@@ -229,7 +234,7 @@ class Selector:
         try:
             db, note = open_for_serving(path)
         except DatabaseError as e:
-            self.unread = f"cannot use tuning database: {e}"
+            self.unread = unusable(e)
             self._warn(f"{self.unread}; serving heuristic defaults")
             return
         if note:
@@ -237,8 +242,8 @@ class Selector:
         label = Backend.simulated if fp.simulated else Backend.measured
         try:
             hw_rows, rows, unreadable = read_winners(db, fp.class_key, label)
-        except SQLAlchemyError as e:  # a damaged page the opening read did not reach
-            self.unread = f"cannot read tuning database {db.name}: {str(getattr(e, 'orig', None) or e).splitlines()[0]}"
+        except DatabaseError as e:  # a damaged page the opening read did not reach
+            self.unread = str(e)
             self._warn(f"{self.unread}; serving heuristic defaults")
             return
         finally:

@@ -148,15 +148,15 @@ def unreadable_json(db: Database) -> dict[str, list[int]]:
     found = {}
     with db.session() as conn:  # an error here (a damaged page) is a DatabaseError: verify's verdict
         for table, col, kinds in JSON_CELLS:
-            if not db.is_sqlite and kinds is None:
-                continue
-            allowed = ", ".join(f"'{k}'" for k in kinds or ())
-            if not db.is_sqlite:
-                bad = f"json_typeof({col}) NOT IN ({allowed})"
-            elif kinds is None:
+            allowed = f"({', '.join(repr(k) for k in kinds or ())})"
+            if kinds is None:  # any JSON: only a SQLite file can hold text that is not
+                if not db.is_sqlite:
+                    continue
                 bad = f"NOT json_valid({col})"
-            else:  # json_type of text that is not JSON is an error: asked only of valid cells
-                bad = f"CASE WHEN json_valid({col}) THEN json_type({col}) ELSE 'invalid' END NOT IN ({allowed})"
+            elif db.is_sqlite:  # json_type of text that is not JSON is an error: asked only of valid cells
+                bad = f"CASE WHEN json_valid({col}) THEN json_type({col}) ELSE 'invalid' END NOT IN {allowed}"
+            else:
+                bad = f"json_typeof({col}) NOT IN {allowed}"
             ids = conn.execute(text(f"SELECT id FROM {table} WHERE {col} IS NOT NULL AND {bad} ORDER BY id")
                                ).scalars().all()
             if ids:

@@ -18,10 +18,13 @@ from pathlib import Path
 
 from sqlalchemy import and_, or_, select, text, update
 from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
+from k3tune.errors import DatabaseError
 from k3tune.plan.hardware import Fingerprint
 from k3tune.plan.problems import Problem
+from k3tune.store.db import _short
 from k3tune.store.models import Backend, Claim, Hardware, ProblemRow, Run, Software, Trial, TrialStatus, Winner, utcnow
 
 
@@ -185,13 +188,18 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _dead(rows) -> list[int]:
+    """The ids of (id, owner) rows whose owner, ``host:pid:run`` of this host, is a process that no longer exists."""
+    return [i for i, owner in rows if not _pid_alive(int(owner.split(":")[1]))]
+
+
 def release_dead_local_claims(session: Session, hw_id: int, backend: Backend) -> int:
     """Claims held by processes of this host that no longer exist go back to pending at once."""
     host = socket.gethostname()
     rows = session.execute(select(Claim.id, Claim.owner).where(
         Claim.hardware_id == hw_id, Claim.backend == backend, Claim.state == "claimed",
         Claim.owner.like(f"{host}:%"))).all()
-    dead = [cid for cid, owner in rows if not _pid_alive(int(owner.split(":")[1]))]
+    dead = _dead(rows)
     if dead:
         session.execute(update(Claim).where(Claim.id.in_(dead)).values(state="pending", owner=None, expires_at=None))
     return len(dead)
@@ -203,7 +211,7 @@ def end_dead_local_runs(session: Session) -> int:
     host = socket.gethostname()
     rows = session.execute(select(Run.id, Run.owner).where(Run.status == "running", Run.host == host,
                                                            Run.owner.like(f"{host}:%"))).all()
-    dead = [rid for rid, owner in rows if not _pid_alive(int(owner.split(":")[1]))]
+    dead = _dead(rows)
     if dead:
         session.execute(update(Run).where(Run.id.in_(dead)).values(status="died"))
     return len(dead)
@@ -291,15 +299,18 @@ def read_winners(db, class_key: str, backend: Backend) -> tuple[list, list, int]
     Winner rows are (op, problem key, dims, op digest, family, params, median us); JSON columns come back
     as text on SQLite and decoded on PostgreSQL, and are returned decoded. A row whose dims or params are not a
     JSON object (a hand edit, a damaged page) is left out and counted: it raised out of the server's start."""
-    with db.engine.connect() as conn:
-        hw = conn.exec_driver_sql("SELECT id, class_key, driver, cuda FROM hardware").all()
-        ids = [int(r[0]) for r in hw if r[1] == class_key]
-        if not ids:
-            return hw, [], 0
-        rows = conn.exec_driver_sql(
-            "SELECT p.op, p.key, p.dims, w.op_digest, w.family, w.params, w.median_us FROM winners w "
-            "JOIN problems p ON p.id = w.problem_id "
-            f"WHERE w.backend = '{Backend(backend).value}' AND w.hardware_id IN ({', '.join(map(str, ids))})").all()
+    try:
+        with db.engine.connect() as conn:
+            hw = conn.exec_driver_sql("SELECT id, class_key, driver, cuda FROM hardware").all()
+            ids = [int(r[0]) for r in hw if r[1] == class_key]
+            if not ids:
+                return hw, [], 0
+            rows = conn.exec_driver_sql(
+                "SELECT p.op, p.key, p.dims, w.op_digest, w.family, w.params, w.median_us FROM winners w "
+                "JOIN problems p ON p.id = w.problem_id "
+                f"WHERE w.backend = '{Backend(backend).value}' AND w.hardware_id IN ({', '.join(map(str, ids))})").all()
+    except SQLAlchemyError as e:  # a damaged page the opening read did not reach: a DatabaseError, as the store's are
+        raise DatabaseError(f"cannot read tuning database {db.name}: {_short(e)}") from None
     out = []
     for op, key, dims, dg, fam, params, med in rows:
         try:
